@@ -1,0 +1,128 @@
+"""Atomic checkpoints and exact resume.
+
+Layout of a run folder:
+
+    RUN_DIR/config.yaml              resolved config
+    RUN_DIR/metrics.jsonl            one line per step (and eval lines)
+    RUN_DIR/checkpoints/step-000010/ adapter/ (peft), state.pt, config.yaml, COMPLETE
+    RUN_DIR/checkpoints/latest       name of the newest complete checkpoint
+    RUN_DIR/adapter/                 the final adapter (peft format)
+
+A checkpoint is written into `checkpoints/.tmp-step-N`, every file fsynced, the `COMPLETE` marker written last,
+then the folder is renamed into place and `latest` replaced atomically. A crash (SIGKILL, full disk) at any point
+leaves the previous checkpoint valid: a half-written folder never has the name or the marker a reader looks for.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .faults import maybe_kill
+
+MARKER = "COMPLETE"
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: Path, step: int, model, state: dict, config_text: str, keep_last: int = 2) -> Path:
+    """Write checkpoint `step` atomically; `state` holds optimizer/scheduler/rng/data/estimator state."""
+    ckdir = Path(run_dir) / "checkpoints"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:06d}"
+    tmp = ckdir / f".tmp-{name}"
+    final = ckdir / name
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp / "adapter")
+        torch.save(state, tmp / "state.pt")
+        (tmp / "config.yaml").write_text(config_text)
+        _fsync_tree(tmp)
+        maybe_kill("checkpoint", step)
+        atomic_write_text(tmp / MARKER, str(step))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        atomic_write_text(ckdir / "latest", name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # frees the space; the previous checkpoint is untouched
+        raise
+    complete = sorted(p for p in ckdir.glob("step-*") if (p / MARKER).exists())
+    for old in complete[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run (falls back to scanning when `latest` is missing or stale)."""
+    ckdir = Path(run_dir) / "checkpoints"
+    latest = ckdir / "latest"
+    if latest.exists():
+        cand = ckdir / latest.read_text().strip()
+        if (cand / MARKER).exists():
+            return cand
+    complete = sorted(p for p in ckdir.glob("step-*") if (p / MARKER).exists())
+    return complete[-1] if complete else None
+
+
+def load_state(ckpt: Path) -> dict:
+    return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop metric lines written after `last_step` (they belong to steps that will be redone on resume)."""
+    import json
+
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the kill
+        if rec.get("step", 0) <= last_step:
+            keep.append(line)
+    atomic_write_text(path, "".join(k + "\n" for k in keep))

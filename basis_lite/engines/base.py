@@ -1,0 +1,37 @@
+"""The small protocol every rollout engine implements.
+
+    engine.sync(model)                                   push the current adapter (a no-op where the engine IS the model)
+    engine.generate(prompts, params) -> list[Rollout]    n samples per prompt, prompt-major order
+
+A Rollout carries token ids (the trainer re-scores them with the training model, so an engine's own log-probs are
+optional) and, where the engine can give it for free, a prompt feature vector for BASIS similarity pooling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    n: int = 1  # samples per prompt
+
+
+@dataclass
+class Rollout:
+    prompt: str
+    prompt_ids: list[int]
+    completion_ids: list[int]  # includes the stop token when the model stopped by itself
+    text: str  # decoded completion without special tokens
+    finished: bool  # stopped at EOS (False: cut at max_new_tokens)
+    feature: torch.Tensor | None = field(default=None, repr=False)  # [D] prompt feature (BASIS similarity)
+
+
+def params_from_config(gen_cfg, n: int = 1, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0 if greedy else gen_cfg.temperature, top_p=gen_cfg.top_p,
+                          top_k=gen_cfg.top_k, max_new_tokens=max_new_tokens or gen_cfg.max_new_tokens, n=n)

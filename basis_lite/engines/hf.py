@@ -1,0 +1,94 @@
+"""Rollouts from the training model's own batched `generate()` (any device, any backend).
+
+The engine IS the training model, so `sync` has nothing to push. Generation runs in eval mode under no_grad, which
+keeps the KV cache on even when gradient checkpointing is enabled for training (transformers only applies
+checkpointing, and turns the cache off, in train mode).
+
+Prompt features for BASIS similarity pooling come from the prefill that generate() runs anyway: a forward hook on
+a middle decoder layer captures its output for the prompt tokens (left padded, so the last positions are the real
+last tokens) and keeps the mean of the last `feature_tokens` positions. No extra model call.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models import decoder_layers, inference_mode
+from .base import Rollout, SamplingParams
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, model, tokenizer, batch_size: int = 64, max_prompt_tokens: int = 448,
+                 feature_layer: int | None = None, feature_tokens: int = 4):
+        self.model, self.tok = model, tokenizer
+        self.batch_size = batch_size
+        self.max_prompt_tokens = max_prompt_tokens
+        layers = decoder_layers(model)
+        self.feature_layer = len(layers) // 2 if feature_layer is None else feature_layer
+        self.feature_tokens = feature_tokens
+        self._layers = layers
+
+    def sync(self, model=None) -> None:  # the engine shares the training model: nothing to push
+        return None
+
+    def _encode(self, prompts: list[str]):
+        self.tok.padding_side = "left"
+        enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                       truncation=True, max_length=self.max_prompt_tokens)
+        if enc.input_ids.shape[1] >= self.max_prompt_tokens:
+            # truncation keeps the right end (the question and the generation prompt) for left-side truncation
+            pass
+        return enc
+
+    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True) -> list[Rollout]:
+        out: list[Rollout] = []
+        for start in range(0, len(prompts), max(1, self.batch_size // max(1, params.n))):
+            out.extend(self._generate_chunk(prompts[start:start + max(1, self.batch_size // max(1, params.n))],
+                                            params, with_features))
+        return out
+
+    def _generate_chunk(self, prompts: list[str], params: SamplingParams, with_features: bool) -> list[Rollout]:
+        model, tok = self.model, self.tok
+        device = next(model.parameters()).device
+        self.tok.truncation_side = "left"
+        enc = self._encode(prompts)
+        input_ids = enc.input_ids.to(device)
+        attn = enc.attention_mask.to(device)
+        captured: list[torch.Tensor] = []
+
+        def hook(_module, _inp, output):
+            if not captured:  # the first call is the prefill over the whole prompt
+                h = output[0] if isinstance(output, tuple) else output
+                captured.append(h[:, -self.feature_tokens:, :].float().mean(dim=1).cpu())
+
+        handle = self._layers[self.feature_layer].register_forward_hook(hook) if with_features else None
+        greedy = params.temperature <= 0
+        gen_kwargs = dict(max_new_tokens=params.max_new_tokens, do_sample=not greedy, pad_token_id=tok.pad_token_id,
+                          eos_token_id=tok.eos_token_id, use_cache=True,
+                          num_return_sequences=params.n)
+        if not greedy:
+            gen_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+        else:
+            gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+        try:
+            with inference_mode(model):
+                seqs = model.generate(input_ids=input_ids, attention_mask=attn, **gen_kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+        feats = captured[0] if captured else None
+        prompt_len = input_ids.shape[1]
+        rollouts = []
+        for row in range(seqs.shape[0]):
+            p = row // params.n
+            p_ids = input_ids[p][attn[p].bool()].tolist()
+            comp = seqs[row, prompt_len:].tolist()
+            finished = False
+            if tok.eos_token_id in comp:
+                comp = comp[: comp.index(tok.eos_token_id) + 1]
+                finished = True
+            text = tok.decode(comp, skip_special_tokens=True)
+            rollouts.append(Rollout(prompt=prompts[p], prompt_ids=p_ids, completion_ids=comp, text=text,
+                                    finished=finished, feature=None if feats is None else feats[p]))
+        return rollouts

@@ -1,0 +1,350 @@
+"""Policy losses over token log-probs, and a chunked log-prob helper.
+
+Everything here works on per-token tensors of shape [B, T] (B sequences, T positions) plus a boolean/0-1 `mask`
+that marks the tokens that count (completion tokens, not prompt or padding). Masked-out positions never influence
+a value or a gradient, even when they hold NaN/inf.
+
+Notation (per token t of sequence i):
+    lp_{i,t}   = log pi_theta(y_t | s_t)           current policy (carries the gradient)
+    old_{i,t}  = log mu(y_t | s_t)                  behaviour policy: the rollout engine's or a detached forward
+    r_{i,t}    = exp(lp - old)                      importance ratio
+    A_i        advantage (one per sequence, broadcast over tokens) or A_{i,t} (one per token)
+
+Aggregation ("token-mean", DAPO §6.5 of shared/research/papers.md): the sum over every masked token of the batch
+divided by the number of masked tokens,
+    L = (1 / N) * sum_{i,t} m_{i,t} * l_{i,t},      N = sum_{i,t} m_{i,t}.
+Under gradient accumulation pass `num_tokens` = N of the WHOLE optimizer step (all micro-batches): the micro-batch
+losses then add up to the full-batch loss exactly, so 8 micro-batches of 1 and 1 of 8 give the same gradient.
+"seq-mean-token-mean" (GRPO / the BPO paper, Appendix B) is available too:
+    L = (1 / S) * sum_i (1 / |y_i|) sum_t m_{i,t} l_{i,t}, with S = `num_sequences` of the whole step (default B).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "SequenceLogprobs",
+    "chunked_token_logprobs",
+    "sequence_logprobs",
+    "masked_mean",
+    "aggregate",
+    "ppo_clip_loss",
+    "bpo_loss",
+    "kl_k3",
+    "AGGREGATIONS",
+]
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps a wild (masked-in) log-ratio from overflowing fp32 to inf
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Chunked log-probs
+# ----------------------------------------------------------------------------------------------------------------
+
+def _chunk_logprobs(h: Tensor, tgt: Tensor, lm_head: nn.Module, temperature: float,
+                    want_entropy: list) -> tuple[Tensor, Tensor]:
+    """log softmax(lm_head(h) / T)[tgt] for one chunk of rows h [n, H] -> ([n] fp32, entropy [n] fp32 or empty).
+
+    The entropy part runs last and under no_grad: during a non-reentrant checkpoint's recomputation (backward) it
+    is skipped (`want_entropy[0]` is False by then, and recomputation stops early once the saved tensors exist).
+    """
+    logits = lm_head(h).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    lp = logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
+    if want_entropy[0]:
+        with torch.no_grad():
+            # H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v
+            ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    else:
+        ent = lp.new_empty(0)
+    return lp, ent.detach()
+
+
+def chunked_token_logprobs(hidden: Tensor, lm_head: nn.Module, targets: Tensor, mask: Tensor,
+                           chunk_size: int = 1024, temperature: float = 1.0,
+                           with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """Per-token log-probs of `targets` under softmax(lm_head(hidden) / temperature), without a [B, T, V] tensor.
+
+        logprobs[b, t] = z[b, t, targets[b, t]] - logsumexp_v z[b, t, v],   z = float32(lm_head(hidden)) / temperature
+        entropy[b, t]  = logsumexp_v z[b, t, v] - sum_v softmax(z[b, t])_v * z[b, t, v]
+
+    Only positions where `mask` is true are computed; the others are exactly 0. The selected rows of `hidden` are
+    processed `chunk_size` at a time (lm_head never sees more than `chunk_size` rows), logits are cast to float32
+    inside the chunk. When autograd is on and something needs a gradient, each chunk runs under
+    `torch.utils.checkpoint(use_reentrant=False)`: the backward saves only the chunk's hidden rows and recomputes its
+    logits, so peak memory is O(chunk_size * V) in forward and backward alike. Differentiable w.r.t. `hidden` and
+    lm_head's parameters. The entropy is a metric: computed under no_grad.
+
+    Args:
+        hidden: [B, T, H] final hidden states (after the model's final norm).
+        lm_head: module mapping [..., H] -> [..., V] (the model's output embedding).
+        targets: [B, T] token ids whose log-prob is wanted at each position.
+        mask: [B, T] bool or 0/1; positions to compute.
+    Returns:
+        (logprobs [B, T] float32, entropy [B, T] float32 or None).
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if hidden.dim() != 3 or targets.shape != hidden.shape[:2] or mask.shape != hidden.shape[:2]:
+        raise ValueError(f"expected hidden [B, T, H], targets and mask [B, T]; got {tuple(hidden.shape)}, "
+                         f"{tuple(targets.shape)}, {tuple(mask.shape)}")
+    B, T, H = hidden.shape
+    flat_mask = mask.reshape(-1).bool()
+    idx = flat_mask.nonzero(as_tuple=True)[0]  # [N]
+    n = idx.numel()
+    out = torch.zeros(B * T, dtype=torch.float32, device=hidden.device)
+    ent_out = torch.zeros(B * T, dtype=torch.float32, device=hidden.device) if with_entropy else None
+
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
+    if n == 0:
+        if needs_grad and hidden.requires_grad:
+            out = out + hidden.reshape(B * T, H)[:, 0].float() * 0.0  # keep a (zero) graph for .backward()
+        return out.view(B, T), (ent_out.view(B, T) if with_entropy else None)
+
+    h_sel = hidden.reshape(B * T, H).index_select(0, idx)  # [N, H]
+    t_sel = targets.reshape(-1).index_select(0, idx).long()
+    want_entropy = [with_entropy]  # read at call time: False during backward recomputation
+    lps, ents = [], []
+    for s in range(0, n, chunk_size):
+        h_c, t_c = h_sel[s:s + chunk_size], t_sel[s:s + chunk_size]
+        if needs_grad:
+            lp, ent = checkpoint(_chunk_logprobs, h_c, t_c, lm_head, temperature, want_entropy,
+                                 use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(h_c, t_c, lm_head, temperature, want_entropy)
+        lps.append(lp)
+        ents.append(ent)
+    want_entropy[0] = False
+    out = out.index_put((idx,), torch.cat(lps))
+    if with_entropy:
+        ent_out = ent_out.index_put((idx,), torch.cat(ents))
+        ent_out = ent_out.view(B, T)
+    return out.view(B, T), ent_out
+
+
+@dataclass
+class SequenceLogprobs:
+    """Output of `sequence_logprobs`; all [B, T-1], position t scores input_ids[:, t+1]."""
+
+    logprobs: Tensor  # float32, 0 where mask is false
+    mask: Tensor  # bool: completion_mask[:, 1:] & attention_mask[:, 1:]
+    entropy: Optional[Tensor] = None  # float32, no grad, 0 where mask is false
+    hidden_layer: Optional[Tensor] = None  # [B, T, H] output of layer `feature_layer` (detached), unshifted
+
+
+def _body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(base causal LM, decoder body, lm_head) for an HF causal LM or a peft PeftModel around one."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(base, "model", None)
+    if body is None and hasattr(base, "get_decoder"):
+        body = base.get_decoder()
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if body is None or head is None:
+        raise TypeError(f"{type(base).__name__}: expected a causal LM with a `.model` decoder body and an "
+                        f"output embedding (lm_head)")
+    cfg = getattr(base, "config", None)
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", 1.0) not in (None, 1.0):
+        raise NotImplementedError(f"{type(base).__name__}: logit soft-capping/scaling is not applied by the "
+                                  f"chunked log-prob path")
+    return base, body, head
+
+
+def sequence_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
+                      chunk_size: int = 1024, temperature: float = 1.0, with_entropy: bool = False,
+                      feature_layer: Optional[int] = None) -> SequenceLogprobs:
+    """Next-token log-probs of a causal LM over the completion tokens, computed chunk by chunk.
+
+        logprobs[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])         (softmax of logits / temperature)
+        mask[:, t]     = completion_mask[:, t+1] and attention_mask[:, t+1]
+
+    Runs the decoder body (`base.model`, use_cache=False) and applies `base.get_output_embeddings()` through
+    `chunked_token_logprobs`, so the full-vocabulary logits are never built. `model` may be a plain HF causal LM
+    (LlamaForCausalLM, Qwen2ForCausalLM, ...) or a peft PeftModel around one: the LoRA layers live inside the
+    body's modules, so the adapter is applied, and `with model.disable_adapter():` gives the reference policy.
+    `feature_layer` (an index into HF's `hidden_states` tuple: 0 = embeddings, -1 = final, normed) also returns
+    that layer's [B, T, H] output, detached.
+    """
+    _, body, head = _body_and_head(model)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    if feature_layer is not None:
+        kwargs["output_hidden_states"] = True
+    out = body(**kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    layer = None
+    if feature_layer is not None:
+        hs = getattr(out, "hidden_states", None)
+        if hs is None:
+            raise RuntimeError(f"{type(body).__name__} returned no hidden_states for feature_layer={feature_layer}")
+        layer = hs[feature_layer].detach()
+    mask = completion_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
+    lp, ent = chunked_token_logprobs(hidden[:, :-1], head, input_ids[:, 1:], mask, chunk_size=chunk_size,
+                                     temperature=temperature, with_entropy=with_entropy)
+    return SequenceLogprobs(logprobs=lp, mask=mask, entropy=ent, hidden_layer=layer)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Aggregation helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+def masked_mean(x: Tensor, mask: Tensor, num_tokens: Optional[float] = None) -> Tensor:
+    """sum(x * mask) / N with N = `num_tokens` if given, else sum(mask) (at least 1). Masked-out x is ignored,
+    even if NaN/inf."""
+    m = mask.bool()
+    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+    denom = float(num_tokens) if num_tokens is not None else m.sum().clamp(min=1).to(total.dtype)
+    return total / denom
+
+
+def aggregate(per_token: Tensor, mask: Tensor, aggregation: str = "token-mean", num_tokens: Optional[float] = None,
+              num_sequences: Optional[float] = None) -> Tensor:
+    """Reduce a per-token loss [B, T] to a scalar.
+
+    token-mean:           sum_{i,t} m l / N,  N = num_tokens (whole step) or sum(m) of this micro-batch.
+    seq-mean-token-mean:  sum_i [ sum_t m l / max(1, sum_t m) ] / S,  S = num_sequences (whole step) or B.
+    """
+    if aggregation == "token-mean":
+        return masked_mean(per_token, mask, num_tokens)
+    if aggregation == "seq-mean-token-mean":
+        m = mask.bool()
+        per_seq = torch.where(m, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device)).sum(-1)
+        per_seq = per_seq / m.sum(-1).clamp(min=1).to(per_seq.dtype)
+        denom = float(num_sequences) if num_sequences is not None else float(per_token.shape[0])
+        return per_seq.sum() / denom
+    raise ValueError(f"aggregation {aggregation!r} not accepted; choose one of {', '.join(AGGREGATIONS)}")
+
+
+def _broadcast_adv(advantages: Tensor, like: Tensor) -> Tensor:
+    a = advantages.to(like.dtype)
+    if a.dim() == 1:
+        a = a.unsqueeze(-1)
+    return a.expand_as(like)
+
+
+def _frac(x: Tensor, mask: Tensor) -> Tensor:
+    return masked_mean(x.float(), mask).detach()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Policy losses
+# ----------------------------------------------------------------------------------------------------------------
+
+def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                  clip_low: float = 0.2, clip_high: float = 0.28, num_tokens: Optional[float] = None,
+                  aggregation: str = "token-mean", num_sequences: Optional[float] = None
+                  ) -> tuple[Tensor, dict]:
+    """PPO clipped surrogate with asymmetric (DAPO clip-higher) bounds and token-level aggregation.
+
+        r_{i,t} = exp(lp_{i,t} - old_{i,t})
+        l_{i,t} = -min( r A,  clip(r, 1 - clip_low, 1 + clip_high) A )
+        L       = sum_{i,t} m l / N          (token-mean; N = num_tokens or the number of masked tokens)
+
+    A token is clipped (zero gradient) when A > 0 and r > 1 + clip_high, or A < 0 and r < 1 - clip_low.
+    On-policy (old = lp.detach(), r = 1): grad L = -(1/N) sum m A grad lp, the REINFORCE gradient.
+
+    Args:
+        logprobs, old_logprobs, mask: [B, T]; advantages: [B] (per sequence) or [B, T].
+    Returns:
+        (loss scalar, stats) with detached 0-d tensors: clip_fraction, clip_low_fraction, clip_high_fraction,
+        ratio_mean, ratio_max (over this call's masked tokens).
+    """
+    m = mask.bool()
+    adv = _broadcast_adv(advantages, logprobs)
+    log_ratio = torch.where(m, logprobs - old_logprobs.to(logprobs.dtype), torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = -torch.minimum(surr1, surr2)
+    loss = aggregate(per_token, m, aggregation, num_tokens, num_sequences)
+    with torch.no_grad():
+        low = (adv < 0) & (ratio < 1.0 - clip_low)
+        high = (adv > 0) & (ratio > 1.0 + clip_high)
+        r_masked = torch.where(m, ratio, torch.zeros_like(ratio))
+        stats = {
+            "clip_fraction": _frac(low | high, m),
+            "clip_low_fraction": _frac(low, m),
+            "clip_high_fraction": _frac(high, m),
+            "ratio_mean": _frac(ratio, m),
+            "ratio_max": r_masked.max().detach() if m.any() else ratio.new_zeros(()),
+        }
+    return loss, stats
+
+
+def bpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps: float = 0.1,
+             cap: float = 5.0, clip_low: float = 0.2, clip_high: float = 0.28, num_tokens: Optional[float] = None,
+             aggregation: str = "token-mean", num_sequences: Optional[float] = None) -> tuple[Tensor, dict]:
+    """Bellman Policy Optimization practical loss (papers.md §4.2; TRL `BPOTrainer._compute_loss`, "paper, Eq. 14").
+
+        mu_{i,t}  = exp(old_{i,t})     behaviour-policy probability of the sampled token
+        pi_{i,t}  = exp(lp_{i,t})      current-policy probability
+        w_{i,t}   = sg[ (1 + eps - mu) / (1 + eps - pi) ]                    smoothed complementary-probability ratio
+        c_{i,t}   = 0 if (A > 0 and w > 1 + clip_high) or (A < 0 and w < 1 - clip_low), else 1   (UNcapped w)
+        l_{i,t}   = -A_i * c_{i,t} * min(w_{i,t}, C) * lp_{i,t}
+        L         = aggregate(l)   token-mean by default (DAPO-style, num_tokens for accumulation);
+                                   aggregation="seq-mean-token-mean" is the paper's/TRL's choice.
+
+    The weight is detached: grad L = -(1/N) sum m A c min(w, C) grad lp (w = 1 on-policy: REINFORCE).
+    Clipped tokens stay in the denominator. Paper defaults: eps = 0.1, C = 3.0 (this function's default cap follows
+    the project config, 5.0); no KL, no entropy bonus. Non-finite `old_logprobs` (behaviour log-prob missing) fall
+    back to the detached current log-prob, as TRL does.
+
+    Returns:
+        (loss scalar, stats) with detached 0-d tensors: clip_fraction, clip_low_fraction, clip_high_fraction,
+        capped_fraction, omega_mean, ratio_mean (pi/mu).
+    """
+    m = mask.bool()
+    adv = _broadcast_adv(advantages, logprobs)
+    lp_det = logprobs.detach()
+    old = old_logprobs.to(logprobs.dtype)
+    old = torch.where(torch.isfinite(old), old, lp_det)
+    with torch.no_grad():
+        mu = old.exp()
+        pi = lp_det.exp()
+        omega = (1.0 + eps - mu) / (1.0 + eps - pi)
+        low = (adv < 0) & (omega < 1.0 - clip_low)
+        high = (adv > 0) & (omega > 1.0 + clip_high)
+        keep = ~(low | high)
+        weight = torch.where(keep, omega.clamp(max=cap), torch.zeros_like(omega))
+    lp_safe = torch.where(m, logprobs, torch.zeros_like(logprobs))
+    per_token = -adv * weight * lp_safe
+    loss = aggregate(per_token, m, aggregation, num_tokens, num_sequences)
+    with torch.no_grad():
+        log_ratio = torch.where(m, lp_det - old, torch.zeros_like(lp_det)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        stats = {
+            "clip_fraction": _frac(low | high, m),
+            "clip_low_fraction": _frac(low, m),
+            "clip_high_fraction": _frac(high, m),
+            "capped_fraction": _frac(keep & (omega > cap), m),
+            "omega_mean": _frac(torch.where(m, omega, torch.zeros_like(omega)), m),
+            "ratio_mean": _frac(log_ratio.exp(), m),
+        }
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KL to the reference
+# ----------------------------------------------------------------------------------------------------------------
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref) (Schulman), [B, T], 0 where mask is false:
+
+        d = ref_lp - lp;   k3 = exp(d) - d - 1  >= 0   (= 0 iff lp == ref_lp)
+
+    Unbiased for KL(pi || pi_ref) when tokens are sampled from pi. `ref_logprobs` is detached; the gradient flows
+    through `logprobs` (d k3 / d lp = 1 - exp(d)). d is clamped to +-20 against fp32 overflow. Average it with
+    `masked_mean(kl_k3(...), mask, num_tokens)`.
+    """
+    m = mask.bool()
+    d = torch.where(m, ref_logprobs.detach().to(logprobs.dtype) - logprobs, torch.zeros_like(logprobs))
+    d = d.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return torch.where(m, torch.exp(d) - d - 1.0, torch.zeros_like(d))

