@@ -14,6 +14,7 @@ leaves the previous checkpoint valid: a half-written folder never has the name o
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -86,13 +87,35 @@ def save_checkpoint(run_dir: Path, step: int, model, state: dict, config_text: s
             shutil.rmtree(final)
         os.replace(tmp, final)
         atomic_write_text(ckdir / "latest", name)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # frees the space; the previous checkpoint is untouched
+        if _is_disk_full(e):
+            from .errors import DiskFullError
+
+            prev = latest_checkpoint(run_dir)
+            kept = (f"the last good checkpoint {prev.name} is kept" if prev is not None
+                    else "there is no earlier checkpoint")
+            raise DiskFullError(f"no space left on the disk while writing checkpoint {name} in {ckdir} ({e}); "
+                                f"{kept}. Free some space, then continue with `basis-lite train --resume "
+                                f"{run_dir}`") from e
         raise
     complete = sorted(p for p in ckdir.glob("step-*") if (p / MARKER).exists())
     for old in complete[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    """ENOSPC/EDQUOT, also when wrapped (safetensors and torch's zip writer re-raise it as their own errors)."""
+    for _ in range(8):  # a bounded walk down the cause chain
+        if e is None:
+            return False
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(s in str(e) for s in ("No space left on device", "StorageFull", "Disk quota exceeded")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

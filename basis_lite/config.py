@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -157,6 +158,9 @@ NON_NEGATIVE = ("train.lr", "train.weight_decay", "train.warmup_steps", "train.k
                 "reward.timeout_s", "train.threads", "train.clip_low", "train.clip_high")
 
 
+_SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
@@ -177,6 +181,8 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if typ is float:
+        if isinstance(value, str) and _SCI_FLOAT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 (PyYAML) reads 1e-5 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

@@ -220,8 +220,6 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise ConfigError(f"output folder {run_dir} already holds a run; pass --resume {run_dir} to continue it "
                           f"or choose another --output")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
     seed_everything(cfg.train.seed)
 
     model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(last / "adapter") if last else None)
@@ -231,6 +229,9 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
     scorer = RewardScorer(cfg.reward)
     optimizer = make_optimizer(cfg, model, device)
     scheduler = make_scheduler(cfg, optimizer)
+    # the run folder is written only once model, reward functions and optimizer loaded: a user error leaves no trace
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
     sampler = PromptSampler(train_ex, cfg.train.batch_size, seed=cfg.train.seed)
     est = cfg.estimator
     G = est.rollouts_per_prompt
@@ -243,9 +244,11 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
     # BASIS prior: K reference rollouts per training prompt, cached across runs
     prior_table = None
     if est.name == "basis" and est.prior_samples > 0:
+        rng_before_prior = ckpt.rng_state()  # computing the prior draws samples, loading it from the cache does not;
         prior_table = load_or_compute_prior(
             cfg, cache_root(cfg.model.cache_dir), engine, model, train_ex, [prompt_of[e.id] for e in train_ex],
             scorer, params_from_config(cfg.generation), est.prior_samples, progress=progress)
+        ckpt.set_rng_state(rng_before_prior)  # the same seed gives the same run with a cold or a warm cache
         summary["prior_seconds"] = prior_table.get("seconds", 0.0)
         summary["prior_cached"] = prior_table["cached"]
 

@@ -34,3 +34,20 @@ def pid_reward(prompts, completions, answers, **kwargs):
 
 
 NOT_CALLABLE = 3
+
+
+# --- for the trainer / resume / bad-input tests (imported as tests.reward_fns:..., by the trainer and its worker) ---
+
+def char_sum_reward(prompts, completions, answers, **kwargs):
+    """Deterministic and varied even for the random tiny model (whose arithmetic reward is always 0), so that
+    advantages are non-zero and every step really updates the adapter: (sum of code points mod 7) / 6."""
+    return [(sum(map(ord, c)) % 7) / 6 for c in completions]
+
+
+def always_raises(prompts, completions, answers, **kwargs):
+    raise ValueError("always_raises: deliberate failure")
+
+
+def always_hangs(prompts, completions, answers, **kwargs):
+    time.sleep(60)
+    return [1.0] * len(completions)

@@ -35,6 +35,16 @@ from basis_lite.advantages import (
 D = torch.float64
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # These tensors are tiny: on a shared 2-core machine, intra-op threads only add synchronisation stalls
+    # (measured 40x slower with 2 threads under load). Restore the setting for other test modules.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _batch(B: int, seed: int = 0, binary: bool = True):
     g = torch.Generator().manual_seed(seed)
     if binary:
@@ -310,6 +320,20 @@ def test_cv_matches_brute_force():
             assert fast[i].item() == pytest.approx(full[i].item(), abs=1e-9), (kernel, pooling, i)
 
 
+def test_cosine_similarity_normalisation():
+    g = torch.Generator().manual_seed(10)
+    f = torch.randn(9, 5, dtype=D, generator=g)
+    # "center": a direction shared by every row (common offset) does not count as similarity
+    torch.testing.assert_close(cosine_similarity(f + 50.0), cosine_similarity(f))
+    assert cosine_similarity(f + 50.0, "none").min() > 0.99
+    # "standardize": per-column scale does not matter either
+    scaled = f * torch.tensor([1.0, 100.0, 0.01, 1.0, 3.0], dtype=D)
+    torch.testing.assert_close(cosine_similarity(scaled, "standardize"), cosine_similarity(f, "standardize"))
+    c = cosine_similarity(f)
+    torch.testing.assert_close(c.diagonal(), torch.ones(9, dtype=D))
+    torch.testing.assert_close(c, c.T)
+
+
 def test_similarity_pool_formula():
     r, _, f = _batch(6, 8)
     cos = cosine_similarity(f)
@@ -335,6 +359,32 @@ def test_prior_and_features_pool_calibrated_residuals():
     k.fill_diagonal_(0)
     expect = (mu + (k @ e) / (k.sum(1) + 1.0)).clamp(0, 1)
     torch.testing.assert_close(basis_baseline(r, p, f, **opts), expect)
+
+
+def test_clip_range_and_rewards_outside_unit_interval():
+    r, p, f = _batch(10, 13)
+    b = basis_baseline(r, p, f)
+    assert (b >= 0).all() and (b <= 1).all()
+    # a format bonus pushes rewards above 1: the clip range widens to the OTHER rewards' range, leave-one-out
+    r2 = r * 1.5
+    b2 = basis_baseline(r2, None, None)
+    torch.testing.assert_close(b2, (r2.sum() - r2) / 9)
+    for opts in ({}, dict(pooling="additive"), dict(bandwidth=0.1, shrink=0.5)):
+        b2 = basis_baseline(r2, p, f, **opts)
+        assert (b2 <= 1.5).all() and (b2 >= 0).all()
+        for i in (0, 4):
+            r3 = r2.clone()
+            r3[i] = 7.0  # a huge own reward must neither move nor widen its own clip range
+            assert basis_baseline(r3, p, f, **opts)[i].item() == b2[i].item()
+    # a binding clip: row 0's neighbours beat their priors by 1.45, so mu_0 + 1.45 = 2.4 is clipped to max_{j != 0} r_j
+    r4 = torch.tensor([0.0, 1.5, 1.5, 1.5], dtype=D)
+    p4 = torch.tensor([0.95, 0.05, 0.05, 0.05], dtype=D)
+    f4 = torch.ones(4, 3, dtype=D)
+    opts = dict(calibration="none", tau=0.0, bandwidth=1.0, shrink=0.0)
+    assert basis_baseline(r4, p4, f4, **opts)[0].item() == pytest.approx(1.5)
+    r4[0] = 7.0
+    assert basis_baseline(r4, p4, f4, **opts)[0].item() == pytest.approx(1.5)
+    assert basis_baseline(r4, p4, f4, **opts, clip=False)[0].item() == pytest.approx(2.4)
 
 
 def test_features_make_similar_prompts_share():

@@ -1,0 +1,537 @@
+"""`basis-lite export`: the trained adapter alone (peft format), or a merged 16-bit model that checks itself.
+
+    basis-lite export RUN_DIR --out DIR                 adapter + tokenizer + README (loads with PeftModel)
+    basis-lite export RUN_DIR --out DIR --merged        merged safetensors for plain transformers / vLLM
+                      [--dtype auto|bfloat16|float16|float32] [--tolerance T]
+
+Merged export, step by step:
+
+1. The base is loaded in FULL precision (float32, on the CPU), never in 4-bit, even when the run trained over an
+   NF4 base: merging a LoRA delta into NF4 weights re-quantises them and loses the delta's small entries. A base
+   folder that is itself stored pre-quantised is refused with a message.
+2. The adapter is attached (peft, fp32) and reference logits are taken on a few chat-templated questions of the
+   run's own eval set (with a boxed answer appended, so assistant-side positions are covered too), and once more
+   with the adapter disabled to report how much the adapter changes the model at all.
+3. `merge_and_unload()`; the merged fp32 model must reproduce the reference logits up to fp32 summation-order noise
+   (MERGE check, relative tolerance 2^-13 of the largest |logit|). A wrong merge fails here, before anything is
+   written.
+4. Cast to 16-bit (bfloat16 by default; float16 when asked or when the base config's dtype is float16) and
+   `save_pretrained(..., safe_serialization=True)` with the tokenizer and chat template into a temporary folder next
+   to DIR.
+5. ROUND-TRIP check: the folder is reloaded with plain `AutoModelForCausalLM.from_pretrained(tmp, dtype=float32)`
+   (no peft), its logits are compared with the reference and the largest absolute difference is printed. Above the
+   tolerance the export fails (ModelError) and the temporary folder is removed. The reload must also reproduce the
+   logits of the same rounded weights computed in memory before saving (expected: exactly; allowed: the MERGE
+   tolerance), which catches a file that does not hold the merged model even when the adapter's effect is smaller
+   than the rounding tolerance. The saved tensors must all be of the target dtype and hold no LoRA tensors.
+6. The temporary folder is renamed to DIR. A failure anywhere (full disk included) leaves no DIR and no temp folder.
+
+Tolerance of the round-trip check (absolute, in logits), by default
+
+    tol = (16 * u + 2^-13) * max |reference logit|
+
+where u is the unit roundoff of the saved dtype (2^-8 bfloat16, 2^-11 float16, 2^-24 float32): rounding a weight
+to a p-bit significand perturbs it by at most u relative, and those perturbations add up through the layers into a
+logit error proportional to the logit scale. Measured on SmolLM2-135M-Instruct (30 layers, a random r=16 LoRA
+merged, weights rounded, fp32 compute) the error was 3.2u (bf16: 0.47 on max |logit| 37) and 5.7u (fp16), so 16u
+leaves about 3x headroom for deeper models; 2^-13 covers fp32 summation-order noise (measured 4.5e-6 relative).
+A missing, doubled or misscaled LoRA delta is caught by the much tighter MERGE check, and anything lost between
+memory and disk by the exact reload comparison; the rounding tolerance bounds what the user finally gets.
+`--tolerance` replaces the round-trip tolerance with an absolute number.
+"""
+from __future__ import annotations
+
+import errno
+import gc
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from .config import Config, ConfigError, save_config
+from .errors import DiskFullError
+from .evaluate_cli import ADAPTER_RUN_CONFIG, Target, load_run_config, resolve_target
+from .models import ModelError, resolve_model_path
+
+log = logging.getLogger("basis_lite")
+
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
+ROUNDING_FACTOR = 16  # round-trip tolerance in units of u (measured 3.2u bf16 / 5.7u fp16 on SmolLM2-135M)
+FP32_NOISE_REL = 2.0 ** -13  # fp32 summation-order noise allowance, relative to max |logit|
+ABS_FLOOR = 1e-6  # keeps the tolerance positive for a model whose logits are all ~0
+CHECK_PROMPTS = 4
+EXPORT_REPORT = "basis_lite_export.json"
+FALLBACK_QUESTIONS = [("What is $17 + 25$?", "42"), ("What is $9 \\times 7$?", "63"),
+                      ("Solve for $x$: $3x + 4 = 19$.", "5"), ("What is $128 \\div 4$?", "32")]
+ADAPTER_FILES_SKIPPED = {"README.md", "eval.json", "eval_base.json"}  # peft's generic README is replaced by ours
+
+
+def default_tolerance(dtype: torch.dtype, max_abs_logit: float) -> float:
+    """Round-trip tolerance (absolute logits) for weights saved in `dtype`; see the module docstring."""
+    return (ROUNDING_FACTOR * UNIT_ROUNDOFF[dtype] + FP32_NOISE_REL) * max_abs_logit + ABS_FLOOR
+
+
+def merge_tolerance(max_abs_logit: float) -> float:
+    """The fp32 merged model against base + adapter (fp32, unmerged): only summation order differs."""
+    return FP32_NOISE_REL * max_abs_logit + ABS_FLOOR
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command
+
+
+def run_export_command(args) -> int:
+    target = resolve_target(args.run_dir)
+    if target.adapter is None:
+        raise ConfigError(f"{target.path}: the run has no adapter yet (no adapter/ and no complete checkpoint); "
+                          f"nothing to export")
+    if args.tolerance is not None and not args.tolerance >= 0:
+        raise ConfigError(f"--tolerance: expected a number >= 0 (max absolute logit difference), got {args.tolerance}")
+    out = Path(args.out).expanduser()
+    check_destination(out)
+    cfg = load_run_config(target)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if args.merged:
+        report = export_merged(cfg, target, out, dtype_name=args.dtype, tolerance=args.tolerance)
+        c = report["check"]
+        print(f"merged {report['dtype']} model written to {out} ({report['size_mb']:.1f} MB)")
+        print(f"self-check passed: max |logit diff| {c['max_abs_diff']:.3g} <= tolerance {c['tolerance']:.3g} "
+              f"over {c['positions']} positions of {c['prompts']} prompts (max |logit| {c['max_abs_logit']:.3g}; "
+              f"fp32 merge error {c['merge_max_abs_diff']:.3g}; adapter effect {c['adapter_effect']:.3g})")
+    else:
+        if args.dtype != "auto" or args.tolerance is not None:
+            log.warning("--dtype and --tolerance only apply with --merged; the adapter is copied as trained")
+        export_adapter(cfg, target, out)
+        print(f"adapter written to {out} (load: PeftModel.from_pretrained(base, {str(out)!r}); see README.md)")
+    return 0
+
+
+def check_destination(out: Path) -> None:
+    """Never write over anything: --out must not exist or be an empty folder."""
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise ConfigError(f"--out {out}: exists and is not a folder; choose a new folder")
+        if any(out.iterdir()):
+            raise ConfigError(f"--out {out}: folder exists and is not empty; basis-lite never writes over an "
+                              f"export; choose a new folder or remove it first")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# staging: write into a temp folder next to DIR, rename at the end, clean up on any failure
+
+
+class _Staging:
+    def __init__(self, out: Path):
+        self.out = out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> Path:
+        self.tmp.mkdir()
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            try:
+                _fsync_tree(self.tmp)
+                check_destination(self.out)  # another process may have filled it meanwhile
+                if self.out.exists():
+                    self.out.rmdir()  # empty: checked above
+                os.replace(self.tmp, self.out)
+                _fsync_dir(self.out.parent)
+            except BaseException as e:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise self._disk_full(e) from None
+                raise
+            return False
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise self._disk_full(exc) from None
+        return False
+
+    def _disk_full(self, exc: OSError) -> DiskFullError:
+        return DiskFullError(f"no space left on the device while writing the export to {self.out} ({exc}); the "
+                             f"partial export was removed. Free some space or choose --out on another disk")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
+
+
+def _need_space(where: Path, nbytes: int) -> None:
+    free = shutil.disk_usage(where).free
+    if free < nbytes:
+        raise DiskFullError(f"not enough free space for the export in {where}: about "
+                            f"{nbytes / 2**20:.0f} MB needed, {free / 2**20:.0f} MB free. Free some space or "
+                            f"choose --out on another disk")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# adapter export
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _load_base_tokenizer(base_path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def export_adapter(cfg: Config, target: Target, out: Path) -> dict:
+    """Copy the adapter (byte-identical, verified) with the base tokenizer and a README into `out`."""
+    src = target.adapter
+    files = [p for p in sorted(src.iterdir()) if p.is_file() and p.name not in ADAPTER_FILES_SKIPPED]
+    base_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
+    tok = _load_base_tokenizer(base_path)
+    _need_space(out.parent if out.parent.exists() else Path("."), sum(p.stat().st_size for p in files) + (32 << 20))
+    with _Staging(out) as tmp:
+        for p in files:
+            shutil.copy2(p, tmp / p.name)
+            if _sha256(p) != _sha256(tmp / p.name):
+                raise ModelError(f"copy of {p} to {tmp / p.name} differs from the original; disk problem?")
+        if not (tmp / ADAPTER_RUN_CONFIG).exists():
+            save_config(cfg, tmp / ADAPTER_RUN_CONFIG)
+        tok.save_pretrained(tmp)
+        report = {"kind": "adapter", "adapter": str(src), "base_model": cfg.model.name, "base_path": base_path,
+                  "files": [p.name for p in files], "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        (tmp / "README.md").write_text(_adapter_readme(cfg, target, out, base_path))
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# merged export
+
+
+def _target_dtype(name: str, base_config) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    declared = getattr(base_config, "dtype", None) or getattr(base_config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return torch.float16 if declared == torch.float16 else torch.bfloat16
+
+
+def check_texts(cfg: Config, tok, n: int = CHECK_PROMPTS) -> list[str]:
+    """Chat-templated questions of the run's eval set with a boxed gold answer appended (the assistant side)."""
+    from .data import format_prompt, load_examples
+
+    items: list[tuple[str, str]] = []
+    try:
+        items = [(ex.question, str(ex.answer)) for ex in load_examples(cfg.data, "eval")[:n]]
+    except Exception as e:  # noqa: BLE001 - the check must not depend on the dataset being reachable here
+        log.warning("self-check: cannot read the run's eval set (%s); using built-in arithmetic questions", e)
+    if not items:
+        items = FALLBACK_QUESTIONS[:n]
+    return [format_prompt(tok, q, cfg.data) + f"The answer is \\boxed{{{a}}}." for q, a in items]
+
+
+@torch.no_grad()
+def _logits(model, ids: list[torch.Tensor]) -> list[torch.Tensor]:
+    model.eval()
+    return [model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0].float() for x in ids]
+
+
+def _max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    d = 0.0
+    for x, y in zip(a, b):
+        if x.shape != y.shape:
+            return float("inf")
+        diff = (x - y).abs()
+        if not torch.isfinite(diff).all():
+            return float("inf")
+        d = max(d, float(diff.max()))
+    return d
+
+
+def _merge_adapter(peft_model):
+    """merge_and_unload with a NaN guard (a separate function: the tests corrupt it to prove the check fails)."""
+    try:
+        return peft_model.merge_and_unload(safe_merge=True)
+    except ValueError as e:
+        raise ModelError(f"merging the adapter produced non-finite weights ({e}); the adapter is broken") from None
+
+
+def _save_model(model, tok, folder: Path) -> None:
+    try:
+        model.save_pretrained(folder, safe_serialization=True)
+    except TypeError:  # a transformers without the argument: safetensors is its only format
+        model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def _collect(n_params: int) -> None:
+    """Free a dropped model's memory before the next one loads (a full gc pass costs ~0.5 s: big models only)."""
+    if n_params > 50_000_000:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _saved_tensor_info(folder: Path) -> tuple[set[str], list[str]]:
+    """(dtypes of floating tensors, names of any LoRA tensors) over the safetensors files of `folder`."""
+    from safetensors import safe_open
+
+    dtypes, lora = set(), []
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                dt = sf.get_slice(k).get_dtype()
+                if dt in ("BF16", "F16", "F32", "F64"):
+                    dtypes.add(dt)
+                if "lora_" in k:
+                    lora.append(k)
+    return dtypes, lora
+
+
+SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "auto",
+                  tolerance: float | None = None, n_prompts: int = CHECK_PROMPTS) -> dict:
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    t0 = time.time()
+    base_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
+    try:
+        base_config = AutoConfig.from_pretrained(base_path)
+    except OSError as e:
+        raise ModelError(f"model.name: cannot read the base model config of {cfg.model.name!r} ({e}); the merged "
+                         f"export needs the full-precision base model") from None
+    quant = getattr(base_config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else type(quant).__name__
+        raise ModelError(f"the base {cfg.model.name!r} is stored pre-quantised ({method}); merging into quantised "
+                         f"weights loses the adapter's precision. Point model.name at the full-precision model "
+                         f"(--set model.name=...) and export again")
+    dtype = _target_dtype(dtype_name, base_config)
+    if cfg.model.load_in_4bit:
+        log.info("the run trained over a 4-bit base; merging into a float32 copy of the base instead")
+    tok = _load_base_tokenizer(base_path)
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)  # full precision, CPU
+    model = PeftModel.from_pretrained(base, str(target.adapter))
+    model.eval()
+
+    texts = check_texts(cfg, tok, n_prompts)
+    max_len = cfg.model.max_seq_length
+    ids = [tok(t, return_tensors="pt", add_special_tokens=False).input_ids[:, -max_len:] for t in texts]
+    ref = _logits(model, ids)
+    with model.disable_adapter():
+        base_logits = _logits(model, ids)
+    scale = max(float(r.abs().max()) for r in ref)
+    adapter_effect = _max_abs_diff(ref, base_logits)
+    del base_logits
+
+    merged = _merge_adapter(model)
+    merge_err = _max_abs_diff(ref, _logits(merged, ids))
+    merge_tol = merge_tolerance(scale)
+    log.info("merge check (fp32): max |logit diff| %.3g (tolerance %.3g)", merge_err, merge_tol)
+    if not merge_err <= merge_tol:
+        raise ModelError(f"export self-check FAILED before writing: the merged fp32 model differs from base + "
+                         f"adapter by up to {merge_err:.4g} logits (allowed {merge_tol:.3g}, fp32 noise only). "
+                         f"The merge is wrong (an adapter the merge does not support, e.g. LoRA on tied "
+                         f"embeddings?); use the adapter export instead (without --merged)")
+    tol = float(tolerance) if tolerance is not None else default_tolerance(dtype, scale)
+    # an adapter whose effect is below `tol` would pass the comparison with base + adapter even if it were lost
+    # on the way to disk; the fp32 merge check above and the exact reload check below still see that
+    log.info("adapter effect on the logits: %.3g (round-trip tolerance %.3g)", adapter_effect, tol)
+
+    # the weights exactly as they will be stored, computed in fp32: what the reloaded folder must reproduce
+    # (parameters only: non-persistent buffers such as rotary frequencies are recomputed in fp32 on reload)
+    for p in merged.parameters():
+        p.data = p.data.to(dtype).to(torch.float32)  # rounding happens in the first cast; the second is exact
+    rounded = _logits(merged, ids)
+    rounding_err = _max_abs_diff(ref, rounded)
+    merged = merged.to(dtype)
+    if hasattr(merged.config, "quantization_config"):
+        del merged.config.quantization_config
+    n_params = sum(p.numel() for p in merged.parameters())
+    est_bytes = n_params * torch.tensor([], dtype=dtype).element_size() + (64 << 20)
+    _need_space(out.parent if out.parent.exists() else Path("."), est_bytes)
+
+    with _Staging(out) as tmp:
+        _save_model(merged, tok, tmp)
+        del merged, model, base
+        _collect(n_params)
+        dtypes, lora_keys = _saved_tensor_info(tmp)
+        if not dtypes:
+            raise ModelError(f"export self-check FAILED: no safetensors weights were written to {tmp}")
+        if lora_keys:
+            raise ModelError(f"export self-check FAILED: the merged weights still hold LoRA tensors "
+                             f"({lora_keys[:3]}...)")
+        if dtypes != {SAFETENSORS_DTYPE[dtype]}:
+            raise ModelError(f"export self-check FAILED: weights saved as {sorted(dtypes)}, expected "
+                             f"{SAFETENSORS_DTYPE[dtype]}")
+        reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)  # plain transformers
+        got = _logits(reloaded, ids)
+        del reloaded
+        _collect(n_params)
+        diff = _max_abs_diff(ref, got)
+        roundtrip_err = _max_abs_diff(rounded, got)
+        check = {"max_abs_diff": diff, "tolerance": tol, "tolerance_rule": "given with --tolerance"
+                 if tolerance is not None else f"({ROUNDING_FACTOR}*u + 2^-13) * max|logit|, "
+                 f"u={UNIT_ROUNDOFF[dtype]:.3g}", "max_abs_logit": scale, "merge_max_abs_diff": merge_err,
+                 "merge_tolerance": merge_tol, "rounding_max_abs_diff": rounding_err,
+                 "roundtrip_max_abs_diff": roundtrip_err, "roundtrip_tolerance": merge_tol,
+                 "adapter_effect": adapter_effect, "prompts": len(ids),
+                 "positions": sum(x.shape[1] for x in ids)}
+        print(f"self-check: reloaded {SAFETENSORS_DTYPE[dtype]} model vs base + adapter (fp32): max |logit diff| "
+              f"{diff:.4g} (tolerance {tol:.4g}, max |logit| {scale:.4g}); vs the same weights in memory "
+              f"{roundtrip_err:.3g}")
+        if not diff <= tol:
+            raise ModelError(f"export self-check FAILED: the saved model's logits differ from base + adapter by up "
+                             f"to {diff:.4g} (tolerance {tol:.3g}, max |logit| {scale:.3g}; rounding to "
+                             f"{SAFETENSORS_DTYPE[dtype]} alone accounts for {rounding_err:.3g}); nothing was "
+                             f"written to {out}. If that is rounding (a very deep model), retry with "
+                             f"--dtype float32 or a larger --tolerance")
+        if not roundtrip_err <= merge_tol:
+            raise ModelError(f"export self-check FAILED: the reloaded folder differs from the weights that were "
+                             f"saved by up to {roundtrip_err:.4g} logits (allowed {merge_tol:.3g}, expected 0): "
+                             f"the saved files do not hold the merged model; nothing was written to {out}")
+        check["passed"] = True
+        save_config(cfg, tmp / ADAPTER_RUN_CONFIG)
+        size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+        report = {"kind": "merged", "adapter": str(target.adapter), "base_model": cfg.model.name,
+                  "base_path": base_path, "dtype": str(dtype).replace("torch.", ""), "check": check,
+                  "size_mb": size / 2**20, "seconds": round(time.time() - t0, 1),
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        (tmp / "README.md").write_text(_merged_readme(cfg, target, out, report))
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# READMEs
+
+
+def _run_line(cfg: Config, target: Target) -> str:
+    line = (f"Trained by basis-lite (RL from verifiable rewards, {cfg.estimator.name} baseline, one rollout per "
+            f"prompt) on `{cfg.data.dataset}` for {cfg.train.steps} steps over the base model `{cfg.model.name}`"
+            f"{' (4-bit NF4 while training)' if cfg.model.load_in_4bit else ''}. Run folder: `{target.run_dir}`.")
+    summary = target.run_dir / "summary.json"
+    try:
+        s = json.loads(summary.read_text())
+        before, after = (s.get("eval_before") or {}), (s.get("eval_after") or {})
+        if "accuracy" in after:
+            line += (f"\n\nHeld-out greedy accuracy (n={after.get('n')}): "
+                     f"{before.get('accuracy', float('nan')):.3f} before training, {after['accuracy']:.3f} after.")
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    return line
+
+
+def _prompt_note(cfg: Config) -> str:
+    sys_note = (f"the system message `{cfg.data.system_prompt}`" if cfg.data.system_prompt.strip()
+                else "no system message (a default one that the template inserts was removed)")
+    return (f"Prompts in training were the tokenizer's chat template with {sys_note}, and the user message "
+            f"`<question> {cfg.data.instruction}`; the answer is read from the last `\\boxed{{...}}`.")
+
+
+def _example_question(cfg: Config) -> str:
+    return repr(("What is 17 + 25? " + (cfg.data.instruction or "")).strip())
+
+
+def _adapter_readme(cfg: Config, target: Target, out: Path, base_path: str) -> str:
+    return f"""# LoRA adapter (basis-lite export)
+
+{_run_line(cfg, target)}
+
+This folder holds the adapter in peft format (`adapter_config.json`, `adapter_model.safetensors`), the base
+model's tokenizer with its chat template, and the basis-lite run config (`{ADAPTER_RUN_CONFIG}`).
+
+## Load
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+base = AutoModelForCausalLM.from_pretrained("{base_path}", dtype="auto")
+model = PeftModel.from_pretrained(base, "{out}")
+tok = AutoTokenizer.from_pretrained("{out}")
+messages = [{{"role": "user", "content": {_example_question(cfg)}}}]
+inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+out = model.generate(**inputs, max_new_tokens=64)
+print(tok.decode(out[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+```
+
+{_prompt_note(cfg)}
+
+The base may also be loaded in 4-bit (`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`) for
+inference. For a single merged model that needs neither peft nor the base: `basis-lite export {target.path} --out
+DIR --merged`. Evaluate with `basis-lite eval {out}`.
+"""
+
+
+def _merged_readme(cfg: Config, target: Target, out: Path, report: dict) -> str:
+    c = report["check"]
+    return f"""# Merged model (basis-lite export)
+
+{_run_line(cfg, target)}
+
+The LoRA adapter `{target.adapter}` was merged into a float32 copy of the base and saved as {report['dtype']}
+safetensors with the base tokenizer and chat template. It loads in plain transformers or vLLM; no peft needed.
+
+## Load
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{out}", dtype="auto")
+tok = AutoTokenizer.from_pretrained("{out}")
+messages = [{{"role": "user", "content": {_example_question(cfg)}}}]
+inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+out = model.generate(**inputs, max_new_tokens=64)
+print(tok.decode(out[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+```
+
+vLLM: `vllm serve {out}` or `vllm.LLM(model="{out}")`.
+
+{_prompt_note(cfg)}
+
+## Self-check at export
+
+Reloaded with `AutoModelForCausalLM.from_pretrained` (float32 compute) and compared with base + adapter (float32,
+unmerged) on {c['prompts']} chat-templated eval questions ({c['positions']} positions): max |logit diff|
+{c['max_abs_diff']:.4g}, tolerance {c['tolerance']:.4g} ({c['tolerance_rule']}), max |logit| {c['max_abs_logit']:.4g}.
+The merged float32 model before rounding differed by {c['merge_max_abs_diff']:.3g}. Details in `{EXPORT_REPORT}`.
+"""
+

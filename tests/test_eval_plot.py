@@ -1,0 +1,157 @@
+"""`basis-lite eval` (greedy pass@1, sampled pass@k, per-level table, --base, --dataset, errors) and `basis-lite plot`
+(valid PNGs from metrics.jsonl, bad lines skipped, clear errors), on one real smoke training per module."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import cli  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("BASIS_LITE_CACHE", str(tmp_path_factory.mktemp("cache")))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model on a shared 2-core machine: one thread is faster and kinder
+    run = tmp_path_factory.mktemp("evalplot") / "run"
+    rc = cli.main(["train", "--preset", "smoke", "--output", str(run), "--no-progress",
+                   "--set", "train.steps=2", "--set", "train.eval_every=1", "--set", "estimator.prior_samples=0",
+                   "--set", "data.train_size=16", "--set", "data.eval_size=4", "--set", "train.threads=1",
+                   "--set", "reward.timeout_s=0", "--set", "generation.max_new_tokens=8"])
+    assert rc == 0
+    yield run
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
+def _check_result(res: dict, n: int) -> None:
+    assert 0.0 <= res["accuracy"] <= 1.0
+    assert res["n"] == n
+    assert res["by_level"], "the arithmetic task has levels; the breakdown is missing"
+    assert sum(v["n"] for v in res["by_level"].values()) == n
+    for v in res["by_level"].values():
+        assert 0.0 <= v["accuracy"] <= 1.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# eval
+
+
+def test_eval_run_folder_writes_json_and_prints_table(run, capsys):
+    assert cli.main(["eval", str(run), "--limit", "3"]) == 0
+    res = json.loads((run / "eval.json").read_text())
+    _check_result(res, 3)
+    assert res["base"] is False and res["adapter"] == str(run / "adapter")
+    assert res["dataset"] == "arithmetic" and "k" not in res
+    out = capsys.readouterr().out
+    assert "greedy pass@1" in out and "overall" in out and "level 1" in out and str(run / "eval.json") in out
+
+
+def test_eval_adapter_folder_with_samples_gives_pass_at_k(run, tmp_path, capsys):
+    out = tmp_path / "sub" / "e.json"
+    assert cli.main(["eval", str(run / "adapter"), "--samples", "2", "--limit", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    _check_result(res, 2)
+    assert res["k"] == 2 and res["samples"] == 2
+    assert 0.0 <= res["pass@1_sampled"] <= res["pass@2"] <= 1.0
+    assert "pass@2" in capsys.readouterr().out
+
+
+def test_eval_base_disables_the_adapter(run, capsys):
+    before = (run / "eval.json").read_text() if (run / "eval.json").exists() else None
+    assert cli.main(["eval", str(run), "--base", "--limit", "2"]) == 0
+    res = json.loads((run / "eval_base.json").read_text())
+    _check_result(res, 2)
+    assert res["base"] is True and res["adapter"] is None
+    assert "adapter disabled" in capsys.readouterr().out
+    if before is not None:  # the adapter's results are not overwritten by the base evaluation
+        assert (run / "eval.json").read_text() == before
+
+
+def test_eval_checkpoint_folder_and_dataset_file(run, tmp_path):
+    rows = [{"question": f"What is ${a} + {a}$?", "answer": str(2 * a)} for a in range(1, 9)]
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
+    out = tmp_path / "e.json"
+    assert cli.main(["eval", str(ckpt), "--dataset", str(data), "--limit", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["dataset"] == str(data) and res["n"] == 2 and res["adapter"] == str(ckpt / "adapter")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "{tmp}/does-not-exist"], "no such run folder"),
+    (["eval", "{tmp}"], "not a basis-lite run folder"),
+    (["eval", "{run}", "--dataset", "no-such-dataset"], "data.dataset"),
+    (["eval", "{run}", "--set", "train.no_such_key=1"], "unknown config key"),
+    (["eval", "{run}", "--samples", "-1"], "--samples"),
+])
+def test_eval_user_errors_exit_2(run, tmp_path, capsys, argv, message):
+    argv = [a.format(tmp=tmp_path, run=run) for a in argv]
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# plot
+
+
+def _assert_pngs(paths: list[Path]) -> None:
+    for p in paths:
+        data = p.read_bytes()
+        assert data[:8] == PNG_MAGIC, f"{p} is not a PNG"
+        assert len(data) > 1000, f"{p} is suspiciously small"
+
+
+def test_plot_writes_valid_pngs(run, capsys):
+    assert cli.main(["plot", str(run)]) == 0
+    names = {"reward.png", "explained_variance.png", "step_time.png", "eval_accuracy.png"}
+    assert {p.name for p in (run / "plots").iterdir()} == names
+    _assert_pngs([run / "plots" / n for n in names])
+    printed = capsys.readouterr().out
+    assert all(str(run / "plots" / n) in printed for n in names)
+
+
+def test_plot_skips_bad_lines_and_writes_to_out(run, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    garbage = ["{not json", "[1, 2, 3]", '{"no_step": 1}', ""]
+    mixed = lines[:2] + garbage + lines[2:] + ['{"step": 99, "reward_me']  # last line cut by a kill
+    (copy / "metrics.jsonl").write_text("\n".join(mixed))
+    out = tmp_path / "charts"
+    assert cli.main(["plot", str(copy), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped 4 line(s)" in printed
+    pngs = sorted(out.glob("*.png"))
+    assert len(pngs) == 4
+    _assert_pngs(pngs)
+    assert not (copy / "plots").exists()
+
+
+def test_plot_only_eval_records(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "event": "eval", "eval_accuracy": 0.25,
+                                                        "eval_n": 4}) + "\n")
+    assert cli.main(["plot", str(tmp_path)]) == 0
+    assert [p.name for p in (tmp_path / "plots").iterdir()] == ["eval_accuracy.png"]
+
+
+def test_plot_errors_exit_2(tmp_path, capsys):
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    assert cli.main(["plot", str(tmp_path / "nope")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text("garbage\n")
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    assert "no step or eval records" in capsys.readouterr().err
+    assert not (tmp_path / "plots").exists()

@@ -1,0 +1,262 @@
+"""`basis-lite export`: adapter export (peft, identical logits), merged 16-bit export with its self-check, refusal to
+write over anything, and clean failure (no half-written folder) on a failed check or a full disk.
+
+One real smoke training (tiny random model) per module; its adapter's lora_B weights are then perturbed so that the
+adapter changes the logits clearly (the random model earns no reward, so training teaches it nothing): otherwise a
+merge that silently dropped the adapter would pass every comparison here.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import cli  # noqa: E402
+from basis_lite import export as export_mod  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("BASIS_LITE_CACHE", str(tmp_path_factory.mktemp("cache")))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model on a shared 2-core machine: one thread is faster and kinder
+    run = tmp_path_factory.mktemp("export") / "run"
+    rc = cli.main(["train", "--preset", "smoke", "--output", str(run), "--no-progress",
+                   "--set", "train.steps=1", "--set", "estimator.prior_samples=0",
+                   "--set", "data.train_size=16", "--set", "data.eval_size=4", "--set", "train.threads=1",
+                   "--set", "reward.timeout_s=0", "--set", "generation.max_new_tokens=8"])
+    assert rc == 0
+    _perturb_lora_b(run / "adapter" / "adapter_model.safetensors")
+    from basis_lite.models import resolve_model_path
+
+    yield {"run": run, "base_path": resolve_model_path("builtin:tiny-random")}
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
+def _perturb_lora_b(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(path))
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    for k, v in sd.items():
+        if "lora_B" in k:
+            sd[k] = v + 0.2 * torch.randn(v.shape, generator=g, dtype=v.dtype)
+            n += 1
+    assert n > 0, "no lora_B tensors in the adapter"
+    save_file(sd, str(path), metadata={"format": "pt"})
+
+
+def _prompts(tok) -> list[torch.Tensor]:
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             + "The answer is \\boxed{7}." for q in ("What is 3 + 4?", "Solve 2x = 14.", "What is 21 / 3?")]
+    return [tok(t, return_tensors="pt", add_special_tokens=False).input_ids for t in texts]
+
+
+@torch.no_grad()
+def _logits(model, ids):
+    model.eval()
+    return [model(input_ids=x).logits[0].float() for x in ids]
+
+
+def _maxdiff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def _base(base_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+
+
+def _no_leftovers(out: Path) -> None:
+    assert not out.exists(), f"{out} was created"
+    left = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+    assert not left, f"temporary folders left behind: {left}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_export_adapter_loads_with_peft_and_gives_identical_logits(env, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "adapter-out"
+    assert cli.main(["export", str(env["run"]), "--out", str(out)]) == 0
+    assert str(out) in capsys.readouterr().out
+    for name in ("adapter_config.json", "adapter_model.safetensors", "README.md", "basis_lite_config.yaml"):
+        assert (out / name).is_file(), name
+    readme = (out / "README.md").read_text()
+    assert "PeftModel.from_pretrained" in readme and str(out) in readme
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template, "the exported tokenizer lost its chat template"
+
+    ids = _prompts(tok)
+    exported = PeftModel.from_pretrained(_base(env["base_path"]), str(out))
+    original = PeftModel.from_pretrained(_base(env["base_path"]), str(env["run"] / "adapter"))
+    a, b = _logits(exported, ids), _logits(original, ids)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), "exported adapter does not reproduce the run's logits"
+    with exported.disable_adapter():
+        base = _logits(exported, ids)
+    assert _maxdiff(a, base) > 1e-3, "the adapter under test does not change the model (test would be vacuous)"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_export_merged_bf16_reloads_in_plain_transformers_within_tolerance(env, tmp_path, capsys):
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "merged"
+    assert cli.main(["export", str(env["run"]), "--out", str(out), "--merged"]) == 0
+    printed = capsys.readouterr().out
+    assert "max |logit diff|" in printed
+
+    shards = sorted(out.glob("*.safetensors"))
+    assert shards, "no safetensors written"
+    for f in shards:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                assert "lora_" not in k, k
+                assert sf.get_slice(k).get_dtype() == "BF16", (k, sf.get_slice(k).get_dtype())
+    assert json.loads((out / "config.json").read_text()).get("dtype") == "bfloat16"
+    report = json.loads((out / export_mod.EXPORT_REPORT).read_text())
+    check = report["check"]
+    assert check["passed"] and check["max_abs_diff"] <= check["tolerance"]
+
+    # independent comparison: plain transformers (no peft) vs base + adapter, both fp32
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template
+    ids = _prompts(tok)
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    got = _logits(merged, ids)
+    ref_model = PeftModel.from_pretrained(_base(env["base_path"]), str(env["run"] / "adapter"))
+    ref = _logits(ref_model, ids)
+    with ref_model.disable_adapter():
+        base = _logits(ref_model, ids)
+    diff = _maxdiff(got, ref)
+    tol = export_mod.default_tolerance(torch.bfloat16, max(float(r.abs().max()) for r in ref))
+    assert 0 < diff <= tol, (diff, tol)  # > 0: the weights really are bf16-rounded
+    # the check has power here: the merged model is far from the base, and the adapter's effect is above tolerance
+    assert _maxdiff(got, base) > 3 * tol
+    assert check["adapter_effect"] > check["tolerance"]
+    assert check["merge_max_abs_diff"] <= check["merge_tolerance"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_export_merged_float16_into_existing_empty_folder(env, tmp_path):
+    from safetensors import safe_open
+
+    out = tmp_path / "merged16"
+    out.mkdir()
+    assert cli.main(["export", str(env["run"]), "--out", str(out), "--merged", "--dtype", "float16"]) == 0
+    with safe_open(str(next(out.glob("*.safetensors"))), framework="pt") as sf:
+        assert {sf.get_slice(k).get_dtype() for k in sf.keys()} == {"F16"}
+    check = json.loads((out / export_mod.EXPORT_REPORT).read_text())["check"]
+    assert check["max_abs_diff"] <= check["tolerance"]
+
+
+def test_default_tolerance_rule():
+    # (16 u + 2^-13) * max|logit|: bf16 about 6.3% of the logit scale, fp16 about 0.8%, fp32 about 1e-4
+    assert export_mod.default_tolerance(torch.bfloat16, 40.0) == pytest.approx(40 * (16 / 256 + 2 ** -13), rel=1e-3)
+    assert export_mod.default_tolerance(torch.float16, 40.0) == pytest.approx(40 * (16 / 2048 + 2 ** -13), rel=1e-3)
+    assert export_mod.default_tolerance(torch.float32, 40.0) < 1e-2
+    assert export_mod._target_dtype("auto", type("C", (), {"dtype": "float16"})()) == torch.float16
+    assert export_mod._target_dtype("auto", type("C", (), {"dtype": torch.float32})()) == torch.bfloat16
+    assert export_mod._target_dtype("float32", None) == torch.float32
+
+
+def test_self_check_fails_on_a_corrupted_merge(env, tmp_path, monkeypatch, capsys):
+    real_merge = export_mod._merge_adapter
+
+    def corrupted_merge(peft_model):
+        merged = real_merge(peft_model)
+        with torch.no_grad():
+            merged.model.layers[0].self_attn.q_proj.weight.mul_(1.05)  # a 5% error in one matrix
+        return merged
+
+    monkeypatch.setattr(export_mod, "_merge_adapter", corrupted_merge)
+    out = tmp_path / "bad-merge"
+    assert cli.main(["export", str(env["run"]), "--out", str(out), "--merged"]) == 2
+    assert "self-check FAILED" in capsys.readouterr().err
+    _no_leftovers(out)
+
+
+def test_self_check_fails_when_the_saved_weights_are_wrong(env, tmp_path, monkeypatch, capsys):
+    real_save = export_mod._save_model
+
+    def corrupted_save(model, tok, folder):
+        with torch.no_grad():
+            model.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+        real_save(model, tok, folder)
+
+    monkeypatch.setattr(export_mod, "_save_model", corrupted_save)
+    out = tmp_path / "bad-save"
+    assert cli.main(["export", str(env["run"]), "--out", str(out), "--merged"]) == 2
+    err = capsys.readouterr().err
+    assert "self-check FAILED" in err and "nothing was written" in err
+    _no_leftovers(out)
+
+
+def test_self_check_fails_above_a_given_tolerance(env, tmp_path, capsys):
+    out = tmp_path / "strict"
+    assert cli.main(["export", str(env["run"]), "--out", str(out), "--merged", "--tolerance", "1e-9"]) == 2
+    assert "self-check FAILED" in capsys.readouterr().err  # bf16 rounding alone exceeds 1e-9
+    _no_leftovers(out)
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_refuses_a_non_empty_out_and_writes_nothing(env, tmp_path, merged, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    argv = ["export", str(env["run"]), "--out", str(out)] + (["--merged"] if merged else [])
+    assert cli.main(argv) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_full_disk_while_writing_gives_a_clear_error_and_removes_the_temp_folder(env, tmp_path, monkeypatch,
+                                                                                 capsys):
+    def full_disk(model, tok, folder):
+        (Path(folder) / "model.safetensors").write_bytes(b"\0" * 1000)  # a partial file, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(export_mod, "_save_model", full_disk)
+    out = tmp_path / "full"
+    assert cli.main(["export", str(env["run"]), "--out", str(out), "--merged"]) == 2
+    err = capsys.readouterr().err
+    assert "no space left" in err and "partial export was removed" in err
+    _no_leftovers(out)
+
+
+def test_too_little_free_space_is_refused_before_writing(env, tmp_path, monkeypatch, capsys):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(export_mod.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    out = tmp_path / "tiny-disk"
+    assert cli.main(["export", str(env["run"]), "--out", str(out)]) == 2
+    assert "not enough free space" in capsys.readouterr().err
+    _no_leftovers(out)
+
+
+def test_export_errors_exit_2(env, tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    assert "no such run folder" in capsys.readouterr().err
+    (tmp_path / "notarun").mkdir()
+    assert cli.main(["export", str(tmp_path / "notarun"), "--out", str(tmp_path / "o")]) == 2
+    assert "not a basis-lite run folder" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,164 @@
+"""The RL loop end to end on the tiny random model: the CLI run, its metrics and adapter, gradient accumulation,
+the KL term, the other estimators, and seed reproducibility."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import STEP_FIELDS, VARIED, adapter_weights, cli_main, read_lines, sets, step_records
+
+
+def _train(tmp_path, name, overrides, *extra) -> Path:
+    run = tmp_path / name
+    rc = cli_main("train", "--preset", "smoke", *sets(overrides), "--output", str(run), "--no-progress", *extra)
+    assert rc == 0
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the CLI, end to end
+
+
+def test_smoke_cli_end_to_end(smoke_run):
+    from basis_lite.config import load_config
+
+    proc, run = smoke_run.proc, smoke_run.run_dir
+    assert smoke_run.wall < 60, f"smoke run took {smoke_run.wall:.0f} s"
+    cfg = load_config("smoke")
+    summary = json.loads((run / "summary.json").read_text())
+
+    # the report: accuracy before -> after, with the numbers of the eval lines, and the adapter path
+    m = re.search(r"held-out accuracy \(greedy, n=(\d+)\): before ([\d.]+) -> after ([\d.]+)", proc.stdout)
+    assert m, proc.stdout
+    evals = [r for r in read_lines(run) if "event" in r]
+    assert [e["event"] for e in evals] == ["eval", "eval_final"]
+    assert int(m.group(1)) == evals[-1]["eval_n"] == cfg.data.eval_size
+    assert float(m.group(2)) == pytest.approx(evals[0]["eval_accuracy"], abs=1e-3)
+    assert float(m.group(3)) == pytest.approx(evals[-1]["eval_accuracy"], abs=1e-3)
+    m = re.search(r"adapter saved to (\S+)", proc.stdout)
+    assert m and Path(m.group(1)) == run / "adapter" and Path(summary["adapter"]) == run / "adapter"
+
+    # one metrics line per step, each with every field, and sane values
+    recs = step_records(run)
+    assert [r["step"] for r in recs] == list(range(1, cfg.train.steps + 1))
+    for r in recs:
+        missing = [f for f in STEP_FIELDS if f not in r]
+        assert not missing, f"step {r['step']}: missing {missing}"
+        for f in STEP_FIELDS:
+            assert isinstance(r[f], (int, float)), (f, r[f])
+            if f != "explained_variance":  # NaN when every reward is equal (the random model scores 0 throughout)
+                assert math.isfinite(r[f]), (f, r[f])
+        assert 0 < r["completion_len"] <= cfg.generation.max_new_tokens
+        assert r["generation_s"] > 0 and r["training_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_mb"] > 0
+        assert r["entropy"] > 0 and 0 <= r["accuracy"] <= 1 and r["advantage_std"] >= 0
+    assert "prior_cached" in summary  # smoke has prior_samples: 2, so the BASIS prior was loaded or computed
+
+    # checkpoints every save_every steps and at the end, the newest keep_last of them kept, all complete
+    t = cfg.train
+    saved = [s for s in range(1, t.steps + 1) if s % t.save_every == 0 or s == t.steps][-t.keep_last:]
+    ck = run / "checkpoints"
+    assert sorted(p.name for p in ck.glob("step-*")) == [f"step-{s:06d}" for s in saved]
+    assert all((ck / f"step-{s:06d}" / "COMPLETE").exists() for s in saved)
+    assert (ck / "latest").read_text().strip() == f"step-{t.steps:06d}"
+
+
+def test_smoke_adapter_loads_with_peft(smoke_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from basis_lite.models import resolve_model_path
+
+    run = smoke_run.run_dir
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny-random"), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(run / "adapter"))
+    saved = adapter_weights(run / "adapter")
+    loaded = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert saved and len(loaded) == len(saved)
+    for name, t in saved.items():
+        key = name.replace(".weight", ".default.weight")
+        assert torch.equal(loaded[key], t), name
+    # the final adapter is the last checkpoint's
+    last = adapter_weights(run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip() / "adapter")
+    assert all(torch.equal(last[k], saved[k]) for k in saved)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert torch.isfinite(out.logits).all()
+
+
+def test_presets_and_help(capsys):
+    assert cli_main("presets") == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert "smoke" in names and "cpu-smollm2-arith" in names
+    with pytest.raises(SystemExit) as e:
+        cli_main("train", "--help")
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--preset", "--set", "--output", "--resume"):
+        assert flag in text, flag
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# invariants of the update
+
+
+def test_gradient_accumulation_matches_full_batch(tmp_path):
+    """TRL-style: batch 8 in one micro-batch of 8 == 8 micro-batches of 1 (same seed): the same adapter and the
+    same loss trajectory. Needs real updates, hence the varied user reward."""
+    common = VARIED + ["train.steps=2", "train.save_every=100", "train.batch_size=8"]
+    full = _train(tmp_path, "mb8", common + ["train.micro_batch_size=8"])
+    acc = _train(tmp_path, "mb1", common + ["train.micro_batch_size=1"])
+    rf, ra = step_records(full), step_records(acc)
+    assert len(rf) == len(ra) == 2
+    for a, b in zip(rf, ra):
+        assert not a["skipped"] and not b["skipped"]
+        assert a["reward_mean"] == b["reward_mean"]  # same rollouts
+        assert a["advantage_std"] > 0  # updates really happen
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
+    wf, wa = adapter_weights(full / "adapter"), adapter_weights(acc / "adapter")
+    assert wf.keys() == wa.keys()
+    for k in wf:
+        torch.testing.assert_close(wf[k], wa[k], atol=1e-6, rtol=1e-4, msg=k)
+    assert any(t.abs().max() > 1e-4 for k, t in wf.items() if "lora_B" in k)  # the adapter moved
+
+
+def test_kl_to_reference_is_zero_at_start_and_positive_after_an_update(tmp_path):
+    run = _train(tmp_path, "kl", VARIED + ["train.steps=2", "train.save_every=100", "train.kl_coef=0.1"])
+    recs = step_records(run)
+    # step 1: a fresh LoRA (B = 0) is the reference model itself; step 2 follows one update
+    assert recs[0]["kl"] == pytest.approx(0.0, abs=1e-9)
+    assert recs[1]["kl"] > 0 and math.isfinite(recs[1]["kl"])
+
+
+@pytest.mark.parametrize("estimator,extra", [("reinforce_pp", []), ("grpo", ["estimator.rollouts_per_prompt=2"])])
+def test_other_estimators_run(tmp_path, estimator, extra):
+    run = _train(tmp_path, estimator, VARIED + ["train.steps=1", "train.save_every=100", "train.batch_size=4",
+                                                f"estimator.name={estimator}"] + extra)
+    (r,) = step_records(run)
+    assert not r["skipped"] and math.isfinite(r["loss"]) and r["grad_norm"] > 0
+    # both use the batch (reinforce_pp) or group (grpo) mean as baseline: its mean is the mean reward
+    assert r["baseline_mean"] == pytest.approx(r["reward_mean"], abs=1e-6)
+    if estimator == "reinforce_pp":  # global whitening
+        assert r["advantage_std"] == pytest.approx(1.0, rel=1e-3)
+    assert (run / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_same_seed_same_run_whether_or_not_the_prior_is_cached(tmp_path):
+    """The BASIS prior samples K rollouts per prompt when it is not cached yet and nothing when it is: the training
+    run after it must not depend on which (a fresh cache vs a warm one, same seed -> same run)."""
+    overrides = [o for o in VARIED if not o.startswith("estimator.prior_samples")] + [
+        "estimator.prior_samples=2", "data.train_size=16", "data.seed=77", "train.steps=1", "train.save_every=100"]
+    cold = _train(tmp_path, "cold", overrides)
+    warm = _train(tmp_path, "warm", overrides)
+    assert json.loads((cold / "summary.json").read_text())["prior_cached"] is False
+    assert json.loads((warm / "summary.json").read_text())["prior_cached"] is True
+    a, b = step_records(cold)[0], step_records(warm)[0]
+    for k in ("reward_mean", "baseline_mean", "loss", "entropy", "completion_len"):
+        assert a[k] == b[k], k
+    wc, ww = adapter_weights(cold / "adapter"), adapter_weights(warm / "adapter")
+    assert all(torch.equal(wc[k], ww[k]) for k in wc)
