@@ -100,7 +100,8 @@ def builtin_smollm2_dir(cache_dir: str = "") -> Path:
         out = Path(tmp) / "model"
         model.save_pretrained(out)
         tok.save_pretrained(out)
-        os.replace(out, target) if not target.exists() else None
+        if not target.exists():  # another process may have finished the same conversion first
+            os.replace(out, target)
     return target
 
 

@@ -5,7 +5,7 @@ prior is its smoothed success rate, shrunk toward the dataset mean m with c pseu
 
     p0_i = (s_i + c * m) / (K + c),       s_i = successes among K reference samples,  m = sum s / (N K)
 
-so no prior is exactly 0 or 1 and a prompt seen only a few times leans on the whole dataset. With `history` on,
+(c = PSEUDO_COUNT) so no prior is exactly 0 or 1 and a prompt seen only a few times leans on the whole dataset. With `history` on,
 the run's own earlier rewards for prompt i (h_i successes out of n_i, all from EARLIER steps, so independent of
 the current reward and leave-one-out safe) are added: p_i = (s_i + h_i + c m) / (K + n_i + c).
 
@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .engines.base import SamplingParams
 
-PSEUDO_COUNT = 1.0
+PSEUDO_COUNT = 4.0  # bench/value_mse.py: 4-8 pseudo-observations cut K=2 priors' error from 1.3-1.8x to ~0.9x the batch mean's
 
 
 def prior_key(cfg, prompts: list[str], k: int) -> str:

@@ -20,6 +20,7 @@ import math
 import os
 import random
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -226,150 +227,157 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
     n_train, n_total = count_parameters(model)
     log.info("model %s on %s (%s): %.2fM trainable of %.1fM parameters", cfg.model.name, device, dtype,
              n_train / 1e6, n_total / 1e6)
-    scorer = RewardScorer(cfg.reward)
-    optimizer = make_optimizer(cfg, model, device)
-    scheduler = make_scheduler(cfg, optimizer)
-    # the run folder is written only once model, reward functions and optimizer loaded: a user error leaves no trace
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    sampler = PromptSampler(train_ex, cfg.train.batch_size, seed=cfg.train.seed)
-    est = cfg.estimator
-    G = est.rollouts_per_prompt
-    prompt_of = {ex.id: format_prompt(tok, ex.question, cfg.data) for ex in train_ex}
-    metrics_path = run_dir / "metrics.jsonl"
-    history: dict[str, list[int]] = {}
-    start_step, bad_steps = 0, 0
-    summary: dict = {"run_dir": str(run_dir)}
+    scorer = RewardScorer(cfg.reward)  # starts the reward worker process: closed whatever happens
+    try:
+        optimizer = make_optimizer(cfg, model, device)
+        scheduler = make_scheduler(cfg, optimizer)
+        # the run folder is written only once model, reward functions and optimizer loaded: a user error leaves no trace
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        sampler = PromptSampler(train_ex, cfg.train.batch_size, seed=cfg.train.seed)
+        est = cfg.estimator
+        G = est.rollouts_per_prompt
+        prompt_of = {ex.id: format_prompt(tok, ex.question, cfg.data) for ex in train_ex}
+        metrics_path = run_dir / "metrics.jsonl"
+        reporters = Reporters(cfg, run_dir)
+        history: dict[str, list[int]] = {}
+        start_step, bad_steps = 0, 0
+        summary: dict = {"run_dir": str(run_dir)}
 
-    # BASIS prior: K reference rollouts per training prompt, cached across runs
-    prior_table = None
-    if est.name == "basis" and est.prior_samples > 0:
-        rng_before_prior = ckpt.rng_state()  # computing the prior draws samples, loading it from the cache does not;
-        prior_table = load_or_compute_prior(
-            cfg, cache_root(cfg.model.cache_dir), engine, model, train_ex, [prompt_of[e.id] for e in train_ex],
-            scorer, params_from_config(cfg.generation), est.prior_samples, progress=progress)
-        ckpt.set_rng_state(rng_before_prior)  # the same seed gives the same run with a cold or a warm cache
-        summary["prior_seconds"] = prior_table.get("seconds", 0.0)
-        summary["prior_cached"] = prior_table["cached"]
+        # BASIS prior: K reference rollouts per training prompt, cached across runs
+        prior_table = None
+        if est.name == "basis" and est.prior_samples > 0:
+            rng_before_prior = ckpt.rng_state()  # computing the prior draws samples, loading it from the cache does not;
+            prior_table = load_or_compute_prior(
+                cfg, cache_root(cfg.model.cache_dir), engine, model, train_ex, [prompt_of[e.id] for e in train_ex],
+                scorer, params_from_config(cfg.generation), est.prior_samples, progress=progress)
+            ckpt.set_rng_state(rng_before_prior)  # the same seed gives the same run with a cold or a warm cache
+            summary["prior_seconds"] = prior_table.get("seconds", 0.0)
+            summary["prior_cached"] = prior_table["cached"]
 
-    if last is not None:
-        state = ckpt.load_state(last)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        history = state.get("history", {})
-        start_step, bad_steps = state["step"], state.get("bad_steps", 0)
-        summary["eval_before"] = state.get("eval_before")
-        ckpt.set_rng_state(state["rng"])
-        ckpt.truncate_metrics(metrics_path, start_step)
-        log.info("resumed from %s at step %d", last, start_step)
-    else:
-        metrics_path.write_text("")
-        summary["eval_before"] = run_eval(cfg, engine, tok, eval_ex, progress, "eval (before)")
-        _log_metrics(metrics_path, {"step": 0, "event": "eval", **_flat_eval(summary["eval_before"])})
-
-    def checkpoint_state(step: int) -> dict:
-        return {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "sampler": sampler.state_dict(), "rng": ckpt.rng_state(), "history": history,
-                "bad_steps": bad_steps, "eval_before": summary.get("eval_before"),
-                "prior_key": prior_table["key"] if prior_table else None}
-
-    config_text = (run_dir / "config.yaml").read_text()
-    gen_params = params_from_config(cfg.generation, n=G)
-    bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", disable=not progress, unit="step")
-    for step in range(start_step + 1, cfg.train.steps + 1):
-        # 1. prompts and rollouts
-        batch = next(sampler)
-        prompts = [prompt_of[ex.id] for ex in batch]
-        t0 = time.time()
-        engine.sync(model)
-        rollouts = engine.generate(prompts, gen_params, with_features=est.name == "basis" and est.use_features)
-        gen_s = time.time() - t0
-        maybe_kill("generation", step)
-
-        # 2. rewards (a reward function that raises or hangs scores 0 and is counted, never crashes the run)
-        golds = [ex.answer for ex in batch for _ in range(G)]
-        rb = scorer([r.prompt for r in rollouts], [r.text for r in rollouts], golds)
-        rewards = torch.tensor(rb.total, dtype=torch.float32).view(len(batch), G)
-
-        # 3. baselines: each prompt's baseline from the OTHER prompts (BASIS) or its group (GRPO/RLOO)
-        ids = [ex.id for ex in batch]
-        prior = prior_values(ids, prior_table, history if est.history else None) if est.name == "basis" else None
-        feats = None
-        if est.name == "basis" and est.use_features and rollouts[0].feature is not None:
-            feats = torch.stack([rollouts[i * G].feature for i in range(len(batch))])
-        options = est.options if est.name == "basis" else {}
-        adv, base = compute_advantages(est.name, rewards, prior=prior, features=feats, normalize=est.normalize,
-                                       **options)
-        if est.history:
-            for ex, row in zip(batch, rewards):
-                h = history.setdefault(ex.id, [0, 0])
-                h[0] += int(round(float(row.sum())))
-                h[1] += G
-
-        # 4. policy update
-        t1 = time.time()
-        try:
-            stats, ok = policy_update(cfg, model, optimizer, rollouts, adv.view(-1), tok.pad_token_id, device,
-                                         step)
-        except torch.OutOfMemoryError:
-            raise TrainingAborted(
-                f"CUDA out of memory at step {step} with train.micro_batch_size={cfg.train.micro_batch_size}; "
-                f"try --set train.micro_batch_size={max(1, cfg.train.micro_batch_size // 2)} (gradient "
-                f"accumulation keeps the same effective batch) or a smaller generation.max_new_tokens") from None
-        train_s = time.time() - t1
-        if ok:
-            bad_steps = 0
-            scheduler.step()
+        if last is not None:
+            state = ckpt.load_state(last)
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            sampler.load_state_dict(state["sampler"])
+            history = state.get("history", {})
+            start_step, bad_steps = state["step"], state.get("bad_steps", 0)
+            summary["eval_before"] = state.get("eval_before")
+            ckpt.set_rng_state(state["rng"])
+            ckpt.truncate_metrics(metrics_path, start_step)
+            log.info("resumed from %s at step %d", last, start_step)
         else:
-            bad_steps += 1
-            log.warning("step %d: non-finite loss or gradient (loss=%s, grad_norm=%s); step skipped (%d in a row, "
-                        "abort at %d)", step, stats["loss"], stats["grad_norm"], bad_steps, cfg.train.max_bad_steps)
-            if bad_steps >= cfg.train.max_bad_steps:
-                raise TrainingAborted(f"{bad_steps} non-finite losses in a row at step {step}; lower train.lr "
-                                      f"(now {cfg.train.lr}) or check the reward function. The last good "
-                                      f"checkpoint is in {run_dir / 'checkpoints'}")
+            metrics_path.write_text("")
+            summary["eval_before"] = run_eval(cfg, engine, tok, eval_ex, progress, "eval (before)")
+            _log_metrics(metrics_path, {"step": 0, "event": "eval", **_flat_eval(summary["eval_before"])})
 
-        # 5. metrics
-        r_flat = rewards.view(-1)
-        comp_tokens = sum(len(r.completion_ids) for r in rollouts)
-        rec = {
-            "step": step, "reward_mean": r_flat.mean().item(), "accuracy": sum(rb.correct) / len(rb.correct),
-            "format_rate": sum(rb.format) / len(rb.format), "baseline_mean": base.mean().item(),
-            "advantage_std": adv.std().item() if adv.numel() > 1 else 0.0,
-            "explained_variance": explained_variance(rewards, base), "kl": stats["kl"],
-            "entropy": stats["entropy"], "completion_len": comp_tokens / len(rollouts),
-            "loss": stats["loss"], "grad_norm": stats["grad_norm"], "clip_fraction": stats["clip_fraction"],
-            "lr": optimizer.param_groups[0]["lr"], "generation_s": gen_s, "training_s": train_s,
-            "tokens_per_s": comp_tokens / max(1e-9, gen_s + train_s), "peak_memory_mb": peak_memory_mb(device),
-            "reward_warnings": scorer.warning_count, "skipped": not ok,
-        }
-        _log_metrics(metrics_path, rec)
-        bar.update(1)
-        bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", ev=f"{rec['explained_variance']:.2f}",
-                        gen=f"{gen_s:.0f}s", train=f"{train_s:.0f}s")
-        if progress:
-            tqdm.write(f"step {step:4d} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
-                       f"baseline {rec['baseline_mean']:.3f} | EV {rec['explained_variance']:+.2f} | "
-                       f"len {rec['completion_len']:.0f} | gen {gen_s:.1f}s train {train_s:.1f}s")
+        def checkpoint_state(step: int) -> dict:
+            return {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "sampler": sampler.state_dict(), "rng": ckpt.rng_state(), "history": history,
+                    "bad_steps": bad_steps, "eval_before": summary.get("eval_before"),
+                    "prior_key": prior_table["key"] if prior_table else None}
 
-        # 6. periodic eval and checkpoint
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-            ev = run_eval(cfg, engine, tok, eval_ex, progress, f"eval (step {step})")
-            _log_metrics(metrics_path, {"step": step, "event": "eval", **_flat_eval(ev)})
-        if step % cfg.train.save_every == 0 or step == cfg.train.steps:
-            ckpt.save_checkpoint(run_dir, step, model, checkpoint_state(step), config_text, cfg.train.keep_last)
-    bar.close()
+        config_text = (run_dir / "config.yaml").read_text()
+        gen_params = params_from_config(cfg.generation, n=G)
+        bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", disable=not progress, unit="step")
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            # 1. prompts and rollouts
+            batch = next(sampler)
+            prompts = [prompt_of[ex.id] for ex in batch]
+            t0 = time.time()
+            engine.sync(model)
+            rollouts = engine.generate(prompts, gen_params, with_features=est.name == "basis" and est.use_features)
+            gen_s = time.time() - t0
+            maybe_kill("generation", step)
 
-    summary["eval_after"] = run_eval(cfg, engine, tok, eval_ex, progress, "eval (after)")
-    _log_metrics(metrics_path, {"step": cfg.train.steps, "event": "eval_final", **_flat_eval(summary["eval_after"])})
-    final = run_dir / "adapter"
-    model.save_pretrained(final)
-    save_config(cfg, final / "basis_lite_config.yaml")
-    summary.update({"adapter": str(final), "steps": cfg.train.steps, "seconds": time.time() - t_start,
-                    "reward_warnings": scorer.warning_count})
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    scorer.close()
+            # 2. rewards (a reward function that raises or hangs scores 0 and is counted, never crashes the run)
+            golds = [ex.answer for ex in batch for _ in range(G)]
+            rb = scorer([r.prompt for r in rollouts], [r.text for r in rollouts], golds)
+            rewards = torch.tensor(rb.total, dtype=torch.float32).view(len(batch), G)
+
+            # 3. baselines: each prompt's baseline from the OTHER prompts (BASIS) or its group (GRPO/RLOO)
+            ids = [ex.id for ex in batch]
+            prior = prior_values(ids, prior_table, history if est.history else None) if est.name == "basis" else None
+            feats = None
+            if est.name == "basis" and est.use_features and rollouts[0].feature is not None:
+                feats = torch.stack([rollouts[i * G].feature for i in range(len(batch))])
+            options = est.options if est.name == "basis" else {}
+            adv, base = compute_advantages(est.name, rewards, prior=prior, features=feats, normalize=est.normalize,
+                                           **options)
+            if est.history:
+                for ex, row in zip(batch, rewards):
+                    h = history.setdefault(ex.id, [0, 0])
+                    h[0] += int(round(float(row.sum())))
+                    h[1] += G
+
+            # 4. policy update
+            t1 = time.time()
+            try:
+                stats, ok = policy_update(cfg, model, optimizer, rollouts, adv.view(-1), tok.pad_token_id, device,
+                                             step)
+            except torch.OutOfMemoryError:
+                raise TrainingAborted(
+                    f"CUDA out of memory at step {step} with train.micro_batch_size={cfg.train.micro_batch_size}; "
+                    f"try --set train.micro_batch_size={max(1, cfg.train.micro_batch_size // 2)} (gradient "
+                    f"accumulation keeps the same effective batch) or a smaller generation.max_new_tokens") from None
+            train_s = time.time() - t1
+            if ok:
+                bad_steps = 0
+                with warnings.catch_warnings():  # a step with all-zero advantages skips optimizer.step()
+                    warnings.simplefilter("ignore", UserWarning)
+                    scheduler.step()
+            else:
+                bad_steps += 1
+                log.warning("step %d: non-finite loss or gradient (loss=%s, grad_norm=%s); step skipped (%d in a row, "
+                            "abort at %d)", step, stats["loss"], stats["grad_norm"], bad_steps, cfg.train.max_bad_steps)
+                if bad_steps >= cfg.train.max_bad_steps:
+                    raise TrainingAborted(f"{bad_steps} non-finite losses in a row at step {step}; lower train.lr "
+                                          f"(now {cfg.train.lr}) or check the reward function. The last good "
+                                          f"checkpoint is in {run_dir / 'checkpoints'}")
+
+            # 5. metrics
+            r_flat = rewards.view(-1)
+            comp_tokens = sum(len(r.completion_ids) for r in rollouts)
+            rec = {
+                "step": step, "reward_mean": r_flat.mean().item(), "accuracy": sum(rb.correct) / len(rb.correct),
+                "format_rate": sum(rb.format) / len(rb.format), "baseline_mean": base.mean().item(),
+                "advantage_std": adv.std().item() if adv.numel() > 1 else 0.0,
+                "explained_variance": explained_variance(rewards, base), "kl": stats["kl"],
+                "entropy": stats["entropy"], "completion_len": comp_tokens / len(rollouts),
+                "loss": stats["loss"], "grad_norm": stats["grad_norm"], "clip_fraction": stats["clip_fraction"],
+                "lr": optimizer.param_groups[0]["lr"], "generation_s": gen_s, "training_s": train_s,
+                "tokens_per_s": comp_tokens / max(1e-9, gen_s + train_s), "peak_memory_mb": peak_memory_mb(device),
+                "reward_warnings": scorer.warning_count, "skipped": not ok,
+            }
+            _log_metrics(metrics_path, rec)
+            reporters.log(rec)
+            bar.update(1)
+            bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", ev=f"{rec['explained_variance']:.2f}",
+                            gen=f"{gen_s:.0f}s", train=f"{train_s:.0f}s")
+            if progress:
+                tqdm.write(f"step {step:4d} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
+                           f"baseline {rec['baseline_mean']:.3f} | EV {rec['explained_variance']:+.2f} | "
+                           f"len {rec['completion_len']:.0f} | gen {gen_s:.1f}s train {train_s:.1f}s")
+
+            # 6. periodic eval and checkpoint
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+                ev = run_eval(cfg, engine, tok, eval_ex, progress, f"eval (step {step})")
+                _log_metrics(metrics_path, {"step": step, "event": "eval", **_flat_eval(ev)})
+            if step % cfg.train.save_every == 0 or step == cfg.train.steps:
+                ckpt.save_checkpoint(run_dir, step, model, checkpoint_state(step), config_text, cfg.train.keep_last)
+        bar.close()
+
+        summary["eval_after"] = run_eval(cfg, engine, tok, eval_ex, progress, "eval (after)")
+        _log_metrics(metrics_path, {"step": cfg.train.steps, "event": "eval_final", **_flat_eval(summary["eval_after"])})
+        final = run_dir / "adapter"
+        model.save_pretrained(final)
+        save_config(cfg, final / "basis_lite_config.yaml")
+        summary.update({"adapter": str(final), "steps": cfg.train.steps, "seconds": time.time() - t_start,
+                        "reward_warnings": scorer.warning_count})
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        reporters.close()
+    finally:
+        scorer.close()
     return summary
 
 
@@ -384,6 +392,39 @@ def _flat_eval(ev: dict) -> dict:
     for lvl, v in ev.get("by_level", {}).items():
         out[f"eval_accuracy_level{lvl}"] = v["accuracy"]
     return out
+
+
+class Reporters:
+    """Optional TensorBoard / Weights & Biases logging (`train.report_to`); each imported only when asked for."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.tb = self.wandb = None
+        if "tensorboard" in cfg.train.report_to:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("train.report_to: tensorboard needs `pip install tensorboard`") from None
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if "wandb" in cfg.train.report_to:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("train.report_to: wandb needs `pip install wandb` (and `wandb login`)") from None
+            self.wandb = wandb.init(project="basis-lite", name=run_dir.name, config=to_dict(cfg), resume="allow")
+
+    def log(self, rec: dict) -> None:
+        nums = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        if self.tb is not None:
+            for k, v in nums.items():
+                self.tb.add_scalar(k, v, rec["step"])
+        if self.wandb is not None:
+            self.wandb.log(nums, step=rec["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def _log_metrics(path: Path, rec: dict) -> None:

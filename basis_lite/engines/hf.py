@@ -33,25 +33,24 @@ class HFEngine:
         return None
 
     def _encode(self, prompts: list[str]):
+        # left padding for batched generation; over-long prompts lose their START (the question and the
+        # generation prompt at the end are kept)
         self.tok.padding_side = "left"
-        enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-                       truncation=True, max_length=self.max_prompt_tokens)
-        if enc.input_ids.shape[1] >= self.max_prompt_tokens:
-            # truncation keeps the right end (the question and the generation prompt) for left-side truncation
-            pass
-        return enc
+        self.tok.truncation_side = "left"
+        return self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                        truncation=True, max_length=self.max_prompt_tokens)
 
     def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True) -> list[Rollout]:
+        """n = params.n samples per prompt, prompt-major; generate() is called on chunks of batch_size sequences."""
+        per_call = max(1, self.batch_size // max(1, params.n))
         out: list[Rollout] = []
-        for start in range(0, len(prompts), max(1, self.batch_size // max(1, params.n))):
-            out.extend(self._generate_chunk(prompts[start:start + max(1, self.batch_size // max(1, params.n))],
-                                            params, with_features))
+        for start in range(0, len(prompts), per_call):
+            out.extend(self._generate_chunk(prompts[start:start + per_call], params, with_features))
         return out
 
     def _generate_chunk(self, prompts: list[str], params: SamplingParams, with_features: bool) -> list[Rollout]:
         model, tok = self.model, self.tok
         device = next(model.parameters()).device
-        self.tok.truncation_side = "left"
         enc = self._encode(prompts)
         input_ids = enc.input_ids.to(device)
         attn = enc.attention_mask.to(device)
@@ -68,7 +67,9 @@ class HFEngine:
                           eos_token_id=tok.eos_token_id, use_cache=True,
                           num_return_sequences=params.n)
         if not greedy:
-            gen_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+            # top_k=0 disables top-k explicitly: None would fall back to the model's generation_config (often
+            # top_k=50), sampling from a truncated distribution the loss does not know about
+            gen_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         else:
             gen_kwargs.update(temperature=None, top_p=None, top_k=None)
         try:
@@ -77,6 +78,7 @@ class HFEngine:
         finally:
             if handle is not None:
                 handle.remove()
+        # generate() expands the batch to P*n rows BEFORE the prefill, so the hook saw one row per sequence
         feats = captured[0] if captured else None
         prompt_len = input_ids.shape[1]
         rollouts = []
@@ -90,5 +92,5 @@ class HFEngine:
                 finished = True
             text = tok.decode(comp, skip_special_tokens=True)
             rollouts.append(Rollout(prompt=prompts[p], prompt_ids=p_ids, completion_ids=comp, text=text,
-                                    finished=finished, feature=None if feats is None else feats[p]))
+                                    finished=finished, feature=None if feats is None else feats[row]))
         return rollouts
