@@ -82,7 +82,7 @@ def cpu_has_fast_bf16() -> bool:
 
 def builtin_smollm2_dir(cache_dir: str = "") -> Path:
     """Return the converted SmolLM2-135M-Instruct folder, fetching and converting it on first use (atomic)."""
-    target = cache_root(cache_dir) / "smollm2-135m-instruct"
+    target = cache_root(cache_dir) / "smollm2-135m-instruct-v2"  # v2: eos/pad fixed to <|im_end|>
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +92,9 @@ def builtin_smollm2_dir(cache_dir: str = "") -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # The GGUF metadata gives eos = <|im_start|> (id 1); the chat turn ends with <|im_end|> (id 2), which is
+        # also the generation config's eos. Without this, generation runs past the end of the answer.
+        tok.eos_token = tok.pad_token = "<|im_end|>"
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         # GGUF-loaded models refuse save_pretrained; the weights are already dequantised to fp32.
         model.hf_quantizer = None

@@ -147,7 +147,7 @@ def pack_sequences(rollouts, max_len: int, pad_id: int):
 
 
 def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
-                  step: int = 0):
+                  step: int = 0, scaler=None):
     """Accumulate the token-level loss over micro-batches, then clip and step. Returns (stats, ok).
 
     Every micro-batch divides by the completion-token count of the WHOLE step, so the accumulated gradient equals
@@ -183,7 +183,7 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
             kl = masked_mean(kl_k3(out.logprobs, ref, out.mask), out.mask, num_tokens=total_tokens)
             loss = loss + t.kl_coef * kl
             stats["kl"] += kl.item()
-        loss.backward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         stats["loss"] += loss.item()
         stats["clip_fraction"] += float(ls["clip_fraction"]) * int(out.mask.sum()) / max(1, total_tokens)
         if out.entropy is not None:
@@ -191,10 +191,19 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
             ent_tokens += int(out.mask.sum())
     stats["entropy"] = stats.pop("entropy_sum") / max(1, ent_tokens) if ent_tokens else float("nan")
     params = [p for p in model.parameters() if p.requires_grad]
+    if scaler is not None and idx:
+        scaler.unscale_(optimizer)  # clip the true gradients
     grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm) if idx else torch.tensor(0.0)
     stats["grad_norm"] = float(grad_norm)
     ok = math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
-    if ok and idx:
+    if scaler is not None and idx and math.isfinite(stats["loss"]):
+        # fp16: an overflow in the scaled gradients is the scaler's business (it skips the step and lowers its
+        # scale), not a bad step
+        maybe_kill("optimizer", step)
+        scaler.step(optimizer)
+        scaler.update()
+        ok = True
+    elif ok and idx:
         maybe_kill("optimizer", step)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -230,6 +239,10 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
     scorer = RewardScorer(cfg.reward)  # starts the reward worker process: closed whatever happens
     try:
         optimizer = make_optimizer(cfg, model, device)
+        # fp16 compute (a T4 has no bf16): per-token gradients (~A / tokens in the step) fall below fp16's range
+        # without loss scaling
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12) if (
+            device.type == "cuda" and dtype == torch.float16) else None
         scheduler = make_scheduler(cfg, optimizer)
         # the run folder is written only once model, reward functions and optimizer loaded: a user error leaves no trace
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -261,6 +274,8 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
             scheduler.load_state_dict(state["scheduler"])
             sampler.load_state_dict(state["sampler"])
             history = state.get("history", {})
+            if scaler is not None and state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
             start_step, bad_steps = state["step"], state.get("bad_steps", 0)
             summary["eval_before"] = state.get("eval_before")
             ckpt.set_rng_state(state["rng"])
@@ -275,6 +290,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
             return {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "sampler": sampler.state_dict(), "rng": ckpt.rng_state(), "history": history,
                     "bad_steps": bad_steps, "eval_before": summary.get("eval_before"),
+                    "scaler": scaler.state_dict() if scaler is not None else None,
                     "prior_key": prior_table["key"] if prior_table else None}
 
         config_text = (run_dir / "config.yaml").read_text()
@@ -314,7 +330,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
             t1 = time.time()
             try:
                 stats, ok = policy_update(cfg, model, optimizer, rollouts, adv.view(-1), tok.pad_token_id, device,
-                                             step)
+                                             step, scaler)
             except torch.OutOfMemoryError:
                 raise TrainingAborted(
                     f"CUDA out of memory at step {step} with train.micro_batch_size={cfg.train.micro_batch_size}; "

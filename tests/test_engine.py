@@ -50,8 +50,8 @@ def test_completion_ids_stop_at_eos_and_decode_to_text(policy):
     for r in rolls:
         assert r.feature is None
         assert 1 <= len(r.completion_ids) <= 6
-        assert r.finished == (r.completion_ids[-1] == tok.eos_token_id)
-        assert tok.eos_token_id not in r.completion_ids[:-1]
+        assert r.finished == (r.completion_ids[-1] in eng.stop_ids)
+        assert not set(r.completion_ids[:-1]) & set(eng.stop_ids)
         assert r.text == tok.decode(r.completion_ids, skip_special_tokens=True)
     # greedy decoding is deterministic and independent of the batch it ran in
     again = eng.generate(PROMPTS[1:2], SamplingParams(temperature=0.0, max_new_tokens=6), with_features=False)

@@ -35,3 +35,19 @@ class Rollout:
 def params_from_config(gen_cfg, n: int = 1, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:
     return SamplingParams(temperature=0.0 if greedy else gen_cfg.temperature, top_p=gen_cfg.top_p,
                           top_k=gen_cfg.top_k, max_new_tokens=max_new_tokens or gen_cfg.max_new_tokens, n=n)
+
+
+def stop_token_ids(tok, model=None) -> set[int]:
+    """Token ids that end a completion: the tokenizer's eos plus the generation config's eos_token_id(s).
+
+    Every engine stops on the same set, so HF and vLLM rollouts end at the same token.
+    """
+    ids: set[int] = set()
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    gen_cfg = getattr(model, "generation_config", None) if model is not None else None
+    eos = getattr(gen_cfg, "eos_token_id", None)
+    for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        if e is not None:
+            ids.add(int(e))
+    return ids

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..models import decoder_layers, inference_mode
-from .base import Rollout, SamplingParams
+from .base import Rollout, SamplingParams, stop_token_ids
 
 
 class HFEngine:
@@ -28,6 +28,7 @@ class HFEngine:
         self.feature_layer = len(layers) // 2 if feature_layer is None else feature_layer
         self.feature_tokens = feature_tokens
         self._layers = layers
+        self.stop_ids = sorted(stop_token_ids(tokenizer, model))
 
     def sync(self, model=None) -> None:  # the engine shares the training model: nothing to push
         return None
@@ -64,7 +65,7 @@ class HFEngine:
         handle = self._layers[self.feature_layer].register_forward_hook(hook) if with_features else None
         greedy = params.temperature <= 0
         gen_kwargs = dict(max_new_tokens=params.max_new_tokens, do_sample=not greedy, pad_token_id=tok.pad_token_id,
-                          eos_token_id=tok.eos_token_id, use_cache=True,
+                          eos_token_id=self.stop_ids, use_cache=True,
                           num_return_sequences=params.n)
         if not greedy:
             # top_k=0 disables top-k explicitly: None would fall back to the model's generation_config (often
@@ -86,10 +87,10 @@ class HFEngine:
             p = row // params.n
             p_ids = input_ids[p][attn[p].bool()].tolist()
             comp = seqs[row, prompt_len:].tolist()
-            finished = False
-            if tok.eos_token_id in comp:
-                comp = comp[: comp.index(tok.eos_token_id) + 1]
-                finished = True
+            stop = next((i for i, t in enumerate(comp) if t in self.stop_ids), None)
+            finished = stop is not None
+            if finished:  # keep the stop token: the trainer scores the decision to stop too
+                comp = comp[: stop + 1]
             text = tok.decode(comp, skip_special_tokens=True)
             rollouts.append(Rollout(prompt=prompts[p], prompt_ids=p_ids, completion_ids=comp, text=text,
                                     finished=finished, feature=None if feats is None else feats[row]))

