@@ -1,0 +1,592 @@
+"""Learning speed on the CPU: held-out accuracy against wall-clock for BASIS (one rollout per prompt), GRPO (8) and
+REINFORCE++ (one), with BASIS's offline prior pass counted in its clock.
+
+What it measures
+----------------
+Every arm trains the same preset (default ``cpu-smollm2-arith``: SmolLM2-135M-Instruct on built-in arithmetic) for
+the same number of steps, from the same seed, with the SAME NUMBER OF ROLLOUTS PER STEP (B = the preset's
+``train.batch_size``), so a step costs about the same in every arm and only what the rollouts are spent on differs:
+
+    basis         estimator basis,        B prompts x 1 rollout,  no prior (estimator.prior_samples=0)
+    basis_prior   estimator basis,        B prompts x 1 rollout,  offline prior with K reference rollouts per
+                                          training prompt (--prior-samples, default 4), computed COLD for this run
+    reinforce_pp  estimator reinforce_pp, B prompts x 1 rollout
+    grpo8         estimator grpo,         B/8 prompts x 8 rollouts (B must be a multiple of 8)
+
+Each arm runs ``basis_lite.trainer.train()`` in a fresh Python process (clean memory, threads and RNG), with a greedy
+held-out eval every E steps (``train.eval_every``) plus the trainer's evals before and after training.
+
+The clock of an eval point is the training compute spent to reach it: the cumulative ``generation_s + training_s``
+of the steps up to that point (from metrics.jsonl), so eval, checkpoint, model-load and start-up time are NOT in it.
+For ``basis_prior`` the prior pass (``prior_seconds`` in the run's summary.json) is added to every point: its
+curve starts at x = prior seconds. The prior is also reported on its own, because a cached prior is reused by later
+runs on the same data and settings (``basis-lite prior`` precomputes it): the chart draws the prior as a shaded
+segment and the same curve without it (dashed, "prior cached").
+
+A cold prior cache per run: the trainer reads and writes the prior under ``cache_root(cfg.model.cache_dir)``, the
+folder the built-in model is converted into. The basis_prior arm gets its own ``model.cache_dir`` (emptied before a
+fresh run) holding a symlink to the already converted built-in model in the shared cache, so the model is not
+converted again and the prior is always computed, never read from an earlier run's cache.
+
+Wall-clock depends on everything else running on the machine: the JSON records the machine, the torch thread
+count and the load average before and after every arm. Compare arms from one invocation, on an otherwise idle machine.
+
+Reproduce
+---------
+    python bench/learning.py                                   # all four arms, preset defaults (40 steps, eval every 10)
+    python bench/learning.py --steps 40 --eval-every 10 --eval-size 150 --arms basis,basis_prior,reinforce_pp,grpo8
+    python bench/learning.py --analyze-only                    # rebuild learning.{json,md,png} from the run folders
+    python bench/learning.py --preset smoke --steps 2 --eval-every 1 --arms reinforce_pp,grpo8 --quiet \\
+        --set train.threads=1 --set data.eval_size=4           # plumbing check on the tiny random model, ~20 s
+
+Outputs: ``--out`` (default bench/results) gets learning.json (per arm: eval points (step, clock_s, eval_accuracy),
+prior seconds, final accuracy, settings; the machine), learning.md (table) and learning.png (accuracy vs
+wall-clock). The run folders (checkpoints, metrics.jsonl, summary.json, one log per arm) go to ``--runs`` (default
+runs/bench-learning-<preset>, git-ignored). Resumable per arm: an arm whose run folder holds summary.json is
+skipped, one with a checkpoint is resumed (``train(resume=True)``), anything else is started afresh; the arm's
+settings are stored next to its folder and a rerun with different settings stops with an error instead of mixing.
+
+Expected runtime (preset defaults, 2 CPU cores): one default run is ~20 min of training + ~1 min per eval, so the
+four arms take ~3-4x one default run (~1.5 h with eval every 10 steps), PLUS the basis_prior arm's prior pass:
+K x train_size reference rollouts (4 x 2000 = 8000, ~6x the 40 x 32 = 1280 rollouts of the training run itself:
+on the order of an hour on 2 cores). That cost is the point of counting it; to make the comparison cheaper use
+``--prior-samples 2`` or a smaller ``--set data.train_size=...`` (the same for every arm).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results"
+
+# torch is NOT imported in the driver (the arms run in their own processes); only basis_lite.config (yaml) is
+from basis_lite.config import ConfigError, load_config  # noqa: E402
+
+ARMS = ("basis", "basis_prior", "reinforce_pp", "grpo8")
+GROUP = 8  # grpo8's rollouts per prompt
+COLORS = {"basis": "tab:blue", "basis_prior": "tab:green", "reinforce_pp": "tab:orange", "grpo8": "tab:red"}
+DESCRIPTIONS = {
+    "basis": "BASIS, 1 rollout/prompt, no prior",
+    "basis_prior": "BASIS, 1 rollout/prompt, offline prior (cold, counted in the clock)",
+    "reinforce_pp": "REINFORCE++, 1 rollout/prompt",
+    "grpo8": f"GRPO, {GROUP} rollouts/prompt",
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# arm settings
+
+
+def base_overrides(args) -> list[str]:
+    """--set items first, then the benchmark's own (steps, eval cadence, eval size): the same for every arm."""
+    out = list(args.set or [])
+    if args.steps is not None:
+        out.append(f"train.steps={args.steps}")
+    if args.eval_size is not None:
+        out.append(f"data.eval_size={args.eval_size}")
+    return out
+
+
+def arm_overrides(arm: str, batch_size: int, prior_samples: int) -> list[str]:
+    """The estimator settings of one arm (applied last, so they win over --set)."""
+    if arm == "basis":
+        return ["estimator.name=basis", "estimator.rollouts_per_prompt=1", "estimator.prior_samples=0",
+                f"train.batch_size={batch_size}"]
+    if arm == "basis_prior":
+        return ["estimator.name=basis", "estimator.rollouts_per_prompt=1", f"estimator.prior_samples={prior_samples}",
+                f"train.batch_size={batch_size}"]
+    if arm == "reinforce_pp":
+        return ["estimator.name=reinforce_pp", "estimator.rollouts_per_prompt=1", "estimator.prior_samples=0",
+                f"train.batch_size={batch_size}"]
+    if arm == "grpo8":
+        if batch_size % GROUP:
+            raise ConfigError(f"arm grpo8: train.batch_size={batch_size} is not a multiple of {GROUP}; every arm "
+                              f"spends the same rollouts per step, so grpo8 needs B/{GROUP} prompts x {GROUP}; pass "
+                              f"--set train.batch_size=<a multiple of {GROUP}>")
+        return ["estimator.name=grpo", f"estimator.rollouts_per_prompt={GROUP}", "estimator.prior_samples=0",
+                f"train.batch_size={batch_size // GROUP}"]
+    raise ConfigError(f"--arms: unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+
+
+def plan_arms(args) -> tuple[dict, dict]:
+    """({arm: overrides}, shared settings); every arm's config is loaded and validated before anything runs."""
+    base = base_overrides(args)
+    cfg0 = load_config(args.preset, base)
+    eval_every = args.eval_every if args.eval_every is not None else (
+        cfg0.train.eval_every or max(1, cfg0.train.steps // 4))
+    base.append(f"train.eval_every={eval_every}")
+    batch = cfg0.train.batch_size
+    plans = {}
+    for arm in args.arms:
+        ov = base + arm_overrides(arm, batch, args.prior_samples)
+        cfg = load_config(args.preset, ov)  # raises ConfigError on a bad --set, before any run starts
+        plans[arm] = {"overrides": ov, "estimator": cfg.estimator.name, "prompts_per_step": cfg.train.batch_size,
+                      "rollouts_per_prompt": cfg.estimator.rollouts_per_prompt,
+                      "rollouts_per_step": cfg.train.batch_size * cfg.estimator.rollouts_per_prompt,
+                      "prior_samples": cfg.estimator.prior_samples, "steps": cfg.train.steps,
+                      "eval_every": cfg.train.eval_every, "eval_size": cfg.data.eval_size,
+                      "threads": cfg.train.threads}
+    shared = {"preset": args.preset, "steps": cfg0.train.steps, "eval_every": eval_every,
+              "eval_size": cfg0.data.eval_size, "rollouts_per_step": batch, "prior_samples": args.prior_samples,
+              "model": cfg0.model.name, "dataset": cfg0.data.dataset, "train_size": cfg0.data.train_size,
+              "set": list(args.set or []), "threads": cfg0.train.threads}
+    return plans, shared
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the worker: one arm, one fresh process
+
+
+def worker(spec_path: str) -> int:
+    """`python bench/learning.py --worker SPEC.json`: train one arm (run by the driver, not by hand)."""
+    import logging
+
+    spec = json.loads(Path(spec_path).read_text())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from basis_lite.models import resolve_model_path
+    from basis_lite.trainer import train
+
+    cfg = load_config(spec["preset"], spec["overrides"])
+    prior_cache = spec.get("prior_cache")
+    if prior_cache:
+        # the trainer keeps priors under cache_root(model.cache_dir), where the built-in model lives too: give this
+        # run its own cache folder, with a link to the model already converted in the shared one
+        pc = Path(prior_cache)
+        pc.mkdir(parents=True, exist_ok=True)
+        if cfg.model.name.startswith("builtin:"):
+            src = Path(resolve_model_path(cfg.model.name, cfg.model.cache_dir)).resolve()  # converts once, shared
+            link = pc / src.name
+            if not link.exists():
+                if link.is_symlink():
+                    link.unlink()
+                link.symlink_to(src, target_is_directory=True)
+        cfg.model.cache_dir = str(pc)
+    summary = train(cfg, spec["run_dir"], resume=spec["resume"], progress=spec["progress"])
+    print(json.dumps({"prior_seconds": summary.get("prior_seconds"), "prior_cached": summary.get("prior_cached"),
+                      "seconds": summary.get("seconds")}))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the driver
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "hostname": platform.node()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        flags = Path("/proc/cpuinfo").read_text()
+        info["avx512_bf16"] = "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        pass
+    try:
+        info["affinity_cpus"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        pass
+    try:
+        from importlib.metadata import version
+
+        for pkg in ("torch", "transformers", "peft"):
+            try:
+                info[pkg] = version(pkg)
+            except Exception:
+                pass
+    except ImportError:
+        pass
+    info["loadavg"] = _loadavg()
+    return info
+
+
+def _loadavg():
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    """A complete checkpoint to resume from (as basis_lite.checkpoint.latest_checkpoint, without importing torch)."""
+    ck = run_dir / "checkpoints"
+    return ck.is_dir() and any((p / "COMPLETE").exists() for p in ck.glob("step-*"))  # checkpoint.MARKER
+
+
+def run_arm(arm: str, plan: dict, args, runs: Path) -> dict:
+    """Train one arm in a subprocess unless its run folder already holds a finished run. Returns run info."""
+    run_dir = runs / arm
+    settings_path = runs / f"{arm}.settings.json"
+    settings = {"preset": args.preset, "overrides": plan["overrides"]}
+    if settings_path.exists() and run_dir.exists():
+        old = json.loads(settings_path.read_text())
+        if old != settings:
+            raise ConfigError(f"{run_dir} was run with other settings ({old}); now {settings}. Use another --runs "
+                              f"folder or delete {run_dir} (and {settings_path}) to start that arm over")
+    if (run_dir / "summary.json").exists():
+        print(f"[{arm}] done already ({run_dir}): skipped", flush=True)
+        return {"skipped": True}
+
+    resume = (run_dir / "metrics.jsonl").exists() and _has_checkpoint(run_dir)
+    prior_cache = runs / f"{arm}.cache" if plan["prior_samples"] > 0 else None
+    if not resume:
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # a start that wrote no checkpoint: start over
+        if prior_cache is not None and (prior_cache / "priors").exists():
+            shutil.rmtree(prior_cache / "priors")  # cold prior for a fresh run
+    runs.mkdir(parents=True, exist_ok=True)
+    settings_path.write_text(json.dumps(settings, indent=2))
+    spec = {"preset": args.preset, "overrides": plan["overrides"], "run_dir": str(run_dir), "resume": resume,
+            "progress": not args.quiet, "prior_cache": str(prior_cache) if prior_cache else None}
+    spec_path = runs / f"{arm}.spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)]
+    log_path = runs / f"{arm}.log"
+    print(f"[{arm}] {'resuming' if resume else 'training'}: {plan['prompts_per_step']} prompts x "
+          f"{plan['rollouts_per_prompt']} rollouts, {plan['steps']} steps -> {run_dir}", flush=True)
+    load_before = _loadavg()
+    t0 = time.time()
+    if args.quiet:
+        with open(log_path, "a") as log:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env)
+    wall = time.time() - t0
+    info = {"skipped": False, "resumed": resume, "process_wall_s": wall, "loadavg_before": load_before,
+            "loadavg_after": _loadavg(), "returncode": proc.returncode}
+    if proc.returncode != 0:
+        tail = log_path.read_text()[-3000:] if args.quiet and log_path.exists() else ""
+        print(f"[{arm}] FAILED (exit {proc.returncode}) after {wall:.0f} s" + (f"; log {log_path}:\n{tail}" if tail
+                                                                               else ""), file=sys.stderr, flush=True)
+    else:
+        print(f"[{arm}] finished in {wall:.0f} s", flush=True)
+    return info
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# analysis: run folders -> per-arm curves
+
+
+def read_run(run_dir: Path) -> tuple[dict[int, dict], list[dict]]:
+    """(step records by step, eval records sorted by step) of a run's metrics.jsonl; a later duplicate wins."""
+    steps: dict[int, dict] = {}
+    evals: dict[tuple, dict] = {}
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return steps, []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)):
+            continue
+        if rec.get("event") in ("eval", "eval_final"):
+            if "eval_accuracy" in rec:
+                evals[(int(rec["step"]), rec["event"] == "eval_final")] = rec
+        elif "event" not in rec:
+            steps[int(rec["step"])] = rec
+    return steps, [evals[k] for k in sorted(evals)]
+
+
+def _f(v) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return 0.0
+    return x if math.isfinite(x) else 0.0
+
+
+def curve(run_dir: Path, prior_seconds: float = 0.0) -> dict:
+    """Eval points with the clock = cumulative generation_s + training_s up to their step (+ the prior pass)."""
+    steps, evals = read_run(run_dir)
+    cum, total, gen, trn = {0: 0.0}, 0.0, 0.0, 0.0
+    for s in sorted(steps):
+        g, t = _f(steps[s].get("generation_s")), _f(steps[s].get("training_s"))
+        gen, trn = gen + g, trn + t
+        total += g + t
+        cum[s] = total
+    keys = sorted(cum)
+
+    def clock_at(step: int) -> float:
+        known = [k for k in keys if k <= step]
+        return cum[known[-1]] if known else 0.0
+
+    points = []
+    for ev in evals:
+        c = clock_at(int(ev["step"]))
+        points.append({"step": int(ev["step"]), "clock_s": round(c + prior_seconds, 4), "train_clock_s": round(c, 4),
+                       "eval_accuracy": ev["eval_accuracy"], "eval_n": ev.get("eval_n"),
+                       "final": ev.get("event") == "eval_final"})
+    return {"points": points, "steps_done": max(steps) if steps else 0, "generation_s": round(gen, 3),
+            "training_s": round(trn, 3), "train_clock_s": round(total, 3)}
+
+
+def collect_arm(arm: str, runs: Path, plan: dict | None, old: dict | None, run_info: dict | None) -> dict | None:
+    """One arm's record from its run folder (or the previous JSON's record when the folder is gone)."""
+    run_dir = runs / arm
+    if not (run_dir / "metrics.jsonl").exists():
+        return old
+    summary = {}
+    if (run_dir / "summary.json").exists():
+        try:
+            summary = json.loads((run_dir / "summary.json").read_text())
+        except json.JSONDecodeError:
+            summary = {}
+    prior_s = _f(summary.get("prior_seconds"))
+    c = curve(run_dir, prior_s)
+    rec = dict(old or {})
+    if plan is None and (runs / f"{arm}.settings.json").exists():
+        plan = {"overrides": json.loads((runs / f"{arm}.settings.json").read_text()).get("overrides")}
+    if plan is not None:
+        rec["settings"] = plan
+    rec.update({
+        "arm": arm, "description": DESCRIPTIONS.get(arm, arm), "run_dir": str(run_dir),
+        "status": "done" if summary else "partial",
+        "points": c["points"], "steps": c["steps_done"], "generation_s": c["generation_s"],
+        "training_s": c["training_s"], "train_clock_s": c["train_clock_s"],
+        "prior_seconds": round(prior_s, 3), "prior_cached": summary.get("prior_cached"),
+        "total_clock_s": round(c["train_clock_s"] + prior_s, 3),
+        "accuracy_before": c["points"][0]["eval_accuracy"] if c["points"] and c["points"][0]["step"] == 0 else None,
+        "final_accuracy": (summary.get("eval_after") or {}).get("accuracy"),
+        "run_seconds": summary.get("seconds"),
+    })
+    if run_info and not run_info.get("skipped"):
+        rec["last_invocation"] = run_info
+    return rec
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# report: markdown and PNG
+
+
+def _fmt_clock(s: float) -> str:
+    if s < 10:
+        return f"{s:.2f} s"
+    return f"{s:.0f} s" if s < 600 else f"{s / 60:.1f} min"
+
+
+def _acc(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def write_md(report: dict, path: Path) -> None:
+    arms = [a for a in report["arm_order"] if a in report["arms"]]
+    sh = report.get("settings", {})
+    eval_steps = sorted({p["step"] for a in arms for p in report["arms"][a]["points"]
+                         if p["step"] > 0 and not p["final"]})
+    lines = ["# Learning speed: held-out accuracy vs wall-clock (CPU)", "",
+             f"Preset `{sh.get('preset')}` (model `{sh.get('model')}`, dataset `{sh.get('dataset')}`, "
+             f"train_size {sh.get('train_size')}), {sh.get('steps')} steps, {sh.get('rollouts_per_step')} rollouts "
+             f"per step in every arm, greedy eval on {sh.get('eval_size')} held-out problems every "
+             f"{sh.get('eval_every')} steps. Extra settings: {', '.join(sh.get('set') or []) or 'none'}.", "",
+             "Clock = cumulative generation + training seconds of the steps so far (no eval, checkpoint or load "
+             "time); for basis_prior the prior pass is added (and shown on its own: a cached prior is reused by "
+             "later runs). Cells: accuracy (clock).", ""]
+    head = ["arm", "rollouts/step", "steps", "train clock", "prior pass", "total clock", "acc before"]
+    head += [f"@{s}" for s in eval_steps] + ["acc after"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for a in arms:
+        r = report["arms"][a]
+        st = r.get("settings") or {}
+        by = {p["step"]: p for p in r["points"] if not p["final"]}
+        fin = [p for p in r["points"] if p["final"]]
+        rps = (f"{st.get('prompts_per_step')}x{st.get('rollouts_per_prompt')}" if st.get("prompts_per_step")
+               else "-")
+        row = [a + ("" if r.get("status") == "done" else f" ({r.get('status')})"), rps, str(r.get("steps", "-")),
+               _fmt_clock(r.get("train_clock_s", 0.0)),
+               _fmt_clock(r["prior_seconds"]) + (" (cached)" if r.get("prior_cached") else "")
+               if r.get("prior_seconds") else "-", _fmt_clock(r.get("total_clock_s", 0.0)), _acc(r.get("accuracy_before"))]
+        for s in eval_steps:
+            p = by.get(s)
+            row.append(f"{p['eval_accuracy']:.3f} ({_fmt_clock(p['clock_s'])})" if p else "-")
+        row.append(f"{fin[-1]['eval_accuracy']:.3f} ({_fmt_clock(fin[-1]['clock_s'])})" if fin else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    m = report.get("machine", {})
+    lines += ["", f"Machine: {m.get('cpu', '?')}, {m.get('affinity_cpus', m.get('cpu_count'))} CPUs usable, "
+              f"torch {m.get('torch', '?')}, train.threads={sh.get('threads') or 'all'}; load average at start "
+              f"{m.get('loadavg')}.", ""]
+    loads = [(a, report["arms"][a].get("last_invocation")) for a in arms]
+    loads = [(a, li) for a, li in loads if li]
+    if loads:
+        lines.append("Load average (1/5/15 min) around each arm: " + "; ".join(
+            f"{a} {li.get('loadavg_before')} -> {li.get('loadavg_after')}" for a, li in loads) + ".")
+        lines.append("")
+    lines += [f"Command: `{report.get('command', '')}`", "",
+              f"Generated {report.get('created', '')} by bench/learning.py; data in learning.json, chart learning.png.",
+              ""]
+    path.write_text("\n".join(lines))
+
+
+def write_png(report: dict, path: Path) -> bool:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install matplotlib)", file=sys.stderr)
+        return False
+    arms = [a for a in report["arm_order"] if a in report["arms"] and report["arms"][a]["points"]]
+    span = max([p["clock_s"] for a in arms for p in report["arms"][a]["points"]] + [1.0])
+    minutes = span > 600
+    scale = 60.0 if minutes else 1.0
+    fig = Figure(figsize=(8.5, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for a in arms:
+        r = report["arms"][a]
+        st = r.get("settings") or {}
+        color = COLORS.get(a, None)
+        xs = [p["clock_s"] / scale for p in r["points"]]
+        ys = [p["eval_accuracy"] for p in r["points"]]
+        label = a + (f" ({st['prompts_per_step']}x{st['rollouts_per_prompt']})" if st.get("prompts_per_step") else "")
+        prior = r.get("prior_seconds") or 0.0
+        if prior > 0:
+            ax.axvspan(0, prior / scale, color=color, alpha=0.10, lw=0)
+            ax.plot([0, prior / scale], [ys[0], ys[0]], color=color, ls=":", lw=1.5)
+            ax.annotate(f"prior pass (K={st.get('prior_samples', '?')}): {_fmt_clock(prior)}",
+                        xy=(prior / scale / 2, ys[0]), xytext=(0, 8), textcoords="offset points", ha="center",
+                        fontsize=8, color=color)
+            ax.plot([p["train_clock_s"] / scale for p in r["points"]], ys, color=color, ls="--", lw=1, alpha=0.6,
+                    label=f"{a}, prior cached (reused)")
+            label += " incl. prior"
+        ax.plot(xs, ys, marker="o", ms=4, lw=2, color=color, label=label)
+    sh = report.get("settings", {})
+    ax.set_xlabel(f"training wall-clock, generation + update ({'min' if minutes else 's'}; eval time excluded)")
+    ax.set_ylabel(f"held-out greedy accuracy (n={sh.get('eval_size')})")
+    ax.set_title(f"{sh.get('preset')}: accuracy vs wall-clock, {sh.get('rollouts_per_step')} rollouts/step", fontsize=10)
+    top = max([p["eval_accuracy"] for a in arms for p in report["arms"][a]["points"]] + [0.0])
+    ax.set_ylim(-0.02, min(1.02, max(0.1, top * 1.15 + 0.02)))
+    ax.set_xlim(left=0)
+    ax.grid(True, alpha=0.3)
+    if arms:
+        ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, format="png")
+    tmp.replace(path)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# main
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="cpu-smollm2-arith")
+    p.add_argument("--steps", type=int, default=None, help="train.steps (default: the preset's)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="train.eval_every (default: the preset's, or steps // 4)")
+    p.add_argument("--eval-size", type=int, default=None, help="data.eval_size (default: the preset's)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {','.join(ARMS)}")
+    p.add_argument("--prior-samples", type=int, default=4, help="K for basis_prior (default 4)")
+    p.add_argument("--out", default=str(RESULTS), help="folder for learning.{json,md,png} (default bench/results)")
+    p.add_argument("--runs", default=None, help="folder for the run folders (default runs/bench-learning-<preset>)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every arm (repeatable)")
+    p.add_argument("--analyze-only", action="store_true", help="no training: rebuild the outputs from JSON/run folders")
+    p.add_argument("--quiet", action="store_true", help="arm output to <runs>/<arm>.log, no progress bars")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in args.arms if a not in ARMS]
+    if bad or not args.arms:
+        p.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
+    if args.prior_samples < 1:
+        p.error("--prior-samples must be >= 1")
+    for name in ("steps", "eval_every", "eval_size"):
+        v = getattr(args, name)
+        if v is not None and v < (0 if name != "steps" else 1):
+            p.error(f"--{name.replace('_', '-')}: {v} is out of range")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    out = Path(args.out)
+    runs = Path(args.runs) if args.runs else ROOT / "runs" / f"bench-learning-{Path(args.preset).stem}"
+    json_path = out / "learning.json"
+    old = {}
+    if json_path.exists():
+        try:
+            old = json.loads(json_path.read_text())
+        except json.JSONDecodeError:
+            old = {}
+    try:
+        plans, shared = plan_arms(args)
+    except ConfigError as e:
+        if not args.analyze_only:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        plans, shared = {}, old.get("settings", {})
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "benchmark": "learning speed: held-out accuracy vs wall-clock (generation + training seconds)",
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "python bench/learning.py " + " ".join(argv),
+        "settings": shared, "runs": str(runs),
+        "machine": old.get("machine") if args.analyze_only and old.get("machine") else machine_info(),
+        "arm_order": list(dict.fromkeys(list(args.arms) + [a for a in old.get("arm_order", []) if a not in args.arms]))
+        if args.analyze_only else list(args.arms),
+        "arms": {},
+    }
+    if args.analyze_only:
+        report["command"] = old.get("command", report["command"])
+    old_arms = old.get("arms", {}) if old.get("settings", {}).get("preset") in (None, args.preset) else {}
+    failed = []
+
+    def save():
+        json_path.write_text(json.dumps(report, indent=2, default=str))
+        write_md(report, out / "learning.md")
+        write_png(report, out / "learning.png")
+
+    for arm in report["arm_order"]:
+        plan = plans.get(arm)
+        info = None
+        if not args.analyze_only:
+            try:
+                info = run_arm(arm, plan, args, runs)
+            except ConfigError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            if info.get("returncode", 0) != 0:
+                failed.append(arm)
+        rec = collect_arm(arm, runs, plan, old_arms.get(arm), info)
+        if rec is not None:
+            report["arms"][arm] = rec
+        save()  # after every arm: partial results survive an interrupted benchmark
+    save()
+    print(f"wrote {json_path}, {out / 'learning.md'}, {out / 'learning.png'}")
+    for arm in report["arm_order"]:
+        r = report["arms"].get(arm)
+        if r:
+            print(f"  {arm:13s} steps {r['steps']:4d}  clock {_fmt_clock(r['total_clock_s']):>9s}  prior "
+                  f"{r['prior_seconds']:7.1f} s  acc {_acc(r.get('accuracy_before'))} -> {_acc(r.get('final_accuracy'))}")
+    if failed:
+        print(f"failed arms: {', '.join(failed)} (see {runs}/<arm>.log or the output above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""bench/learning.py end to end on the smoke preset (tiny random model, two arms, 2 steps): its bookkeeping, not learning.
+
+The random model scores 0, so the accuracies are all 0; what is checked is that every eval point is there with a
+clock that only grows, that the arms spend the same rollouts per step, the outputs exist, a rerun skips finished
+arms, and (on hand-made run folders, no training) that the prior pass is added to basis_prior's clock.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, REPO, sets, subprocess_env
+
+SCRIPT = REPO / "bench" / "learning.py"
+STEPS, EVAL_EVERY = 2, 1
+ARMS = ("reinforce_pp", "grpo8")
+
+
+def _args(out: Path, runs: Path, steps: int = STEPS) -> list[str]:
+    # smoke's train.batch_size is 8: grpo8 runs 1 prompt x 8 rollouts, reinforce_pp 8 x 1
+    return ["--preset", "smoke", "--steps", str(steps), "--eval-every", str(EVAL_EVERY), "--arms", ",".join(ARMS),
+            "--out", str(out), "--runs", str(runs), "--quiet", *sets(FAST + ["train.batch_size=8"])]
+
+
+def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    proc.wall = time.time() - t0
+    return proc
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench_learning")
+    out, runs = d / "out", d / "runs"
+    proc = _run(_args(out, runs))
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return out, runs, json.loads((out / "learning.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def mod():
+    spec = importlib.util.spec_from_file_location("bench_learning", SCRIPT)
+    m = importlib.util.module_from_spec(spec)
+    sys.modules["bench_learning"] = m
+    spec.loader.exec_module(m)
+    return m
+
+
+def test_eval_points_and_clock(bench):
+    _, _, rep = bench
+    assert rep["arm_order"] == list(ARMS)
+    assert {"machine", "settings", "command", "created"} <= set(rep)
+    for arm in ARMS:
+        r = rep["arms"][arm]
+        assert r["status"] == "done" and r["steps"] == STEPS
+        pts = r["points"]
+        # before training (step 0), every eval_every steps, and the final eval at the last step
+        assert [p["step"] for p in pts] == list(range(0, STEPS + 1, EVAL_EVERY)), pts
+        assert [p["final"] for p in pts] == [False] * (len(pts) - 1) + [True]
+        clocks = [p["clock_s"] for p in pts]
+        assert clocks[0] == 0.0
+        assert all(b > a for a, b in zip(clocks, clocks[1:])), clocks
+        assert all(0.0 <= p["eval_accuracy"] <= 1.0 for p in pts)
+        assert r["prior_seconds"] == 0.0 and clocks[-1] == pytest.approx(r["total_clock_s"], abs=1e-3)
+        assert r["total_clock_s"] == pytest.approx(r["generation_s"] + r["training_s"], abs=2e-3)
+        assert r["final_accuracy"] == pts[-1]["eval_accuracy"]
+        assert r["accuracy_before"] == pts[0]["eval_accuracy"]
+    # the same rollouts per step in every arm, spent differently
+    s_r, s_g = rep["arms"]["reinforce_pp"]["settings"], rep["arms"]["grpo8"]["settings"]
+    assert (s_r["prompts_per_step"], s_r["rollouts_per_prompt"], s_r["estimator"]) == (8, 1, "reinforce_pp")
+    assert (s_g["prompts_per_step"], s_g["rollouts_per_prompt"], s_g["estimator"]) == (1, 8, "grpo")
+
+
+def test_outputs(bench):
+    out, runs, _ = bench
+    md = (out / "learning.md").read_text()
+    assert md.startswith("# Learning speed")
+    for arm in ARMS:
+        assert f"| {arm} |" in md
+        assert (runs / arm / "summary.json").exists() and (runs / f"{arm}.log").exists()
+    assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rerun_skips_finished_arms(bench, tmp_path):
+    out, runs, rep = bench
+    out2 = tmp_path / "out2"
+    proc = _run(_args(out2, runs), timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("skipped") == len(ARMS), proc.stdout
+    rep2 = json.loads((out2 / "learning.json").read_text())
+    for arm in ARMS:
+        assert rep2["arms"][arm]["points"] == rep["arms"][arm]["points"]
+    # other settings on the same run folders: refused, nothing mixed
+    assert _run(_args(tmp_path / "out3", runs, steps=STEPS + 1), timeout=60).returncode == 2
+
+
+def test_grpo8_needs_a_multiple_of_8(mod, tmp_path, capsys):
+    rc = mod.main(["--preset", "smoke", "--arms", "grpo8", "--out", str(tmp_path / "o"), "--runs",
+                   str(tmp_path / "r"), "--set", "train.batch_size=12"])
+    assert rc == 2 and "multiple of 8" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def _fake_run(run_dir: Path, step_times: list[tuple[float, float]], accs: list[float], prior_s: float | None):
+    """A finished run folder as train() leaves it: eval before, eval after every step, final eval, summary.json."""
+    run_dir.mkdir(parents=True)
+    n = len(step_times)
+    lines = [{"step": 0, "event": "eval", "eval_accuracy": accs[0], "eval_n": 10}]
+    for s, (g, t) in enumerate(step_times, 1):
+        lines.append({"step": s, "generation_s": g, "training_s": t, "reward_mean": 0.0})
+        lines.append({"step": s, "event": "eval" if s < n else "eval_final", "eval_accuracy": accs[s], "eval_n": 10})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = {"steps": n, "eval_after": {"accuracy": accs[-1]}}
+    if prior_s is not None:
+        summary.update(prior_seconds=prior_s, prior_cached=False)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_prior_counted_in_clock(mod, tmp_path):
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    times = [(2.0, 1.0), (2.5, 0.5), (3.0, 1.0)]
+    _fake_run(runs / "basis", times, [0.1, 0.2, 0.3, 0.4], None)
+    _fake_run(runs / "basis_prior", times, [0.1, 0.3, 0.4, 0.5], 7.0)
+    assert mod.main(["--preset", "smoke", "--arms", "basis,basis_prior", "--out", str(out), "--runs", str(runs),
+                     "--analyze-only"]) == 0
+    rep = json.loads((out / "learning.json").read_text())
+    base = [p["clock_s"] for p in rep["arms"]["basis"]["points"]]
+    assert base == [0.0, 3.0, 6.0, 10.0]
+    bp = rep["arms"]["basis_prior"]
+    assert [p["clock_s"] for p in bp["points"]] == [7.0, 10.0, 13.0, 17.0]
+    assert [p["train_clock_s"] for p in bp["points"]] == base
+    assert bp["prior_seconds"] == 7.0 and bp["total_clock_s"] == 17.0 and bp["train_clock_s"] == 10.0
+    assert bp["final_accuracy"] == 0.5 and bp["accuracy_before"] == 0.1
+    md = (out / "learning.md").read_text()
+    assert "| basis_prior |" in md and "7.00 s" in md
+    assert (out / "learning.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,166 @@
+"""`basis-lite plan`: a table for every preset, estimates that move the right way, the warning on a small card, the
+GPU preset headers, and the arithmetic behind the parts (parameter counts from a real model; the 4-bit weight size
+from a real bitsandbytes NF4 load). What no test here can check: the estimate against a measured GPU peak."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from conftest import cli_main
+
+from basis_lite.config import list_presets, load_config, preset_path
+from basis_lite.plan import (ModelShape, build_plan, estimate_memory, header_gpu_memory, model_shape,
+                             shape_from_config_json, standby_utilization)
+
+GPU_PRESETS = ["colab-t4-qwen2.5-1.5b-gsm8k", "gpu-8gb", "gpu-12gb", "gpu-24gb"]
+
+
+def test_plan_all_prints_a_table_for_every_preset(capsys):
+    assert cli_main("plan", "--all") == 0
+    out = capsys.readouterr().out
+    presets = list_presets()
+    for name in presets:
+        assert f"== {name}:" in out, name
+    assert out.count("total (estimated peak)") == len(presets)
+    assert "NOT YET CHECKED against a measured GPU peak" in out
+    # every GPU preset fits the card its header names, by the estimate
+    for name in GPU_PRESETS:
+        block = out.split(f"== {name}:")[1].split("\n\n")[0]
+        assert re.search(r"card: [\d.]+ GiB \(preset header\); fits", block), block
+
+
+def test_plan_single_preset_with_overrides(capsys):
+    assert cli_main("plan", "--preset", "gpu-8gb", "--set", "train.micro_batch_size=1") == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 1 x 512 tokens" in out and "WARNING" not in out
+
+
+@pytest.mark.parametrize("preset", ["gpu-8gb", "colab-t4-qwen2.5-1.5b-gsm8k"])
+def test_estimates_grow_with_batch_and_sequence_length(preset):
+    base = estimate_memory(load_config(preset))["total"]
+    for more in (["train.micro_batch_size=8", "model.max_seq_length=1024"],
+                 ["model.max_seq_length=1024"], ["train.micro_batch_size=16"]):
+        assert estimate_memory(load_config(preset, more))["total"] > base, more
+    # without a card size the vLLM KV cache is sized by the sequences in flight: more prompts, more memory
+    small = estimate_memory(load_config(preset, ["train.batch_size=16"]))["total"]
+    big = estimate_memory(load_config(preset, ["train.batch_size=128"]))["total"]
+    assert big > small
+    # and the hf engine's KV cache grows with its generate() batch
+    def hf_kv(extra):
+        parts = estimate_memory(load_config(preset, ["generation.engine=hf"] + extra))
+        return next(v for k, v in parts.items() if k.startswith("generation: HF KV cache"))
+
+    assert hf_kv(["generation.batch_size=128", "train.batch_size=128"]) > hf_kv(["generation.batch_size=8"])
+
+
+def test_warning_and_suggestions_on_a_small_card(capsys):
+    assert cli_main("plan", "--preset", "colab-t4-qwen2.5-1.5b-gsm8k", "--gpu-memory", "6") == 0  # still exit 0
+    out = capsys.readouterr().out
+    assert "WARNING: colab-t4-qwen2.5-1.5b-gsm8k is estimated at" in out and "more than the 6 GiB card" in out
+    sugg = re.findall(r"--set (\S+)=(\S+)  -> ([\d.]+) GiB", out)
+    assert sugg and all(float(total) <= 6 for _, _, total in sugg)
+    assert any(k == "train.micro_batch_size" for k, _, _ in sugg)
+    # a card so small that vLLM's share cannot even hold the weights is called out whatever the total
+    assert cli_main("plan", "--preset", "gpu-8gb", "--gpu-memory", "2.5") == 0
+    assert "vLLM will refuse to start" in capsys.readouterr().out
+
+
+def test_gpu_preset_headers():
+    for name in GPU_PRESETS:
+        text = preset_path(name).read_text()
+        header = [line for line in text.splitlines() if line.startswith("#")]
+        assert not header[0].startswith("# Launch") and len(header[0]) > 20  # a title line first
+        assert f"# Launch: basis-lite train --preset {name}" in text
+        assert "NOT YET MEASURED ON A GPU" in text
+        assert header_gpu_memory(name) in (8, 12, 15, 24)
+        cfg = load_config(name)  # unknown keys would be rejected here
+        assert cfg.device == "cuda" and cfg.model.load_in_4bit and cfg.generation.engine == "vllm"
+        assert cfg.estimator.name == "basis" and cfg.estimator.rollouts_per_prompt == 1
+        # the header's memory figure is the plan's estimate (to within rounding)
+        m = re.search(r"Memory \(basis-lite plan\): ~([\d.]+) GiB", text)
+        est = build_plan(cfg, header_gpu_memory(name)).total
+        assert m and abs(float(m.group(1)) - est) <= 0.15 * est, (name, m and m.group(1), est)
+    t4 = load_config("colab-t4-qwen2.5-1.5b-gsm8k")
+    assert t4.model.dtype == "float16" and t4.model.name == "Qwen/Qwen2.5-1.5B-Instruct"  # T4: no bf16
+    assert t4.data.dataset == "gsm8k" and t4.estimator.prior_samples == 4
+    assert 32 <= t4.train.batch_size <= 64 and 256 <= t4.generation.max_new_tokens <= 384
+
+
+def test_plain_vllm_costs_a_16bit_copy_and_standby_frees_the_kv_cache():
+    shared = estimate_memory(load_config("gpu-12gb"), 12)
+    plain = estimate_memory(load_config("gpu-12gb", ["model.backend=hf"]), 12)
+    assert "generation: vLLM's own 16-bit base weights" in plain
+    assert plain["generation: vLLM's own 16-bit base weights"] == pytest.approx(3.09e9 * 2 / 2**30, rel=0.02)
+    standby = build_plan(load_config("gpu-24gb", ["model.unsloth_standby=true"]), 24)
+    assert any("Unsloth overrides gpu_memory_utilization" in n for n in standby.notes)
+    assert standby_utilization(24) == pytest.approx(0.825 * 0.95) and standby_utilization(15) == pytest.approx(0.76)
+    assert shared["total"] < 12
+
+
+def test_shape_arithmetic_matches_a_real_model(tmp_path):
+    """Parameter counts of the shape formula equal a real (tiny, random) Qwen2 model's linear/embedding params."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    for tied in (True, False):
+        config = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=300, tie_word_embeddings=tied)
+        model = Qwen2ForCausalLM(config)
+        folder = tmp_path / f"q{tied}"
+        model.config.save_pretrained(folder)
+        shape = shape_from_config_json(folder / "config.json")
+        linear = sum(m.weight.numel() for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and n != "lm_head")
+        emb = sum(p.numel() for p in {id(p): p for p in [model.get_input_embeddings().weight,
+                                                          model.get_output_embeddings().weight]}.values())
+        assert shape.linear_params == linear and shape.embedding_params == emb
+
+
+def test_known_shapes_and_local_config(tmp_path):
+    s, src = model_shape("Qwen/Qwen2.5-1.5B-Instruct")
+    assert src == "built-in table" and 1.50e9 < s.params < 1.56e9  # Qwen2.5-1.5B: 1.54B
+    assert 7.5e9 < model_shape("unsloth/Qwen2.5-7B-Instruct-bnb-4bit")[0].params < 7.7e9  # 7.61B
+    assert 3.0e9 < model_shape("Qwen/Qwen2.5-3B-Instruct")[0].params < 3.15e9  # 3.09B
+    assert 1.2e9 < model_shape("meta-llama/Llama-3.2-1B-Instruct")[0].params < 1.26e9  # 1.24B
+    assert 0.13e9 < model_shape("HuggingFaceTB/SmolLM2-135M-Instruct")[0].params < 0.14e9
+    from basis_lite.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no shape known"):
+        model_shape("someone/unknown-model")
+    from basis_lite.models import builtin_tiny_random_dir
+
+    local, src = model_shape(str(builtin_tiny_random_dir()))
+    assert src.startswith("config.json in") and local.hidden == 64 and local.layers == 2
+
+
+def test_4bit_weight_estimate_matches_bitsandbytes(tmp_path):
+    """The 'base weights' part against what bitsandbytes NF4 (double quant) really stores, on a CPU load."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", quantization_config=q, dtype=torch.bfloat16,
+                                                 device_map={"": "cpu"})
+    stored = 0
+    for n, p in model.named_parameters():
+        if "norm" in n:
+            continue
+        stored += p.numel() * p.element_size()
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            stored += qs.absmax.numel() * qs.absmax.element_size()
+            if qs.state2 is not None:
+                stored += qs.state2.absmax.numel() * qs.state2.absmax.element_size()
+    cfg = load_config("smoke", [f"model.name={tmp_path / 'm'}", "model.load_in_4bit=true", "model.dtype=bfloat16"])
+    est = next(v for k, v in estimate_memory(cfg).items() if k.startswith("base weights")) * 2**30
+    assert est == pytest.approx(stored, rel=0.05)
+
+
+def test_model_shape_dataclass_describe():
+    s = ModelShape("x", 8, 1, 2, 1, 4, 16, 10, True)
+    assert "params" in s.describe() and s.kv_bytes_per_token(2) == 2 * 1 * 1 * 4 * 2

