@@ -28,7 +28,22 @@ from .faults import maybe_kill
 MARKER = "COMPLETE"
 
 
-def _fsync_tree(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a folder entry (best effort: some filesystems refuse it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file and folder below `path`, so a rename that publishes it is durable."""
     for root, _dirs, files in os.walk(path):
         for name in files:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
@@ -36,11 +51,7 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(Path(root))
 
 
 def rng_state() -> dict:
@@ -80,7 +91,7 @@ def save_checkpoint(run_dir: Path, step: int, model, state: dict, config_text: s
         model.save_pretrained(tmp / "adapter")
         torch.save(state, tmp / "state.pt")
         (tmp / "config.yaml").write_text(config_text)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         maybe_kill("checkpoint", step)
         atomic_write_text(tmp / MARKER, str(step))
         if final.exists():

@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import fsync_dir, fsync_tree
 from .config import Config, ConfigError, save_config
 from .errors import DiskFullError
 from .evaluate_cli import ADAPTER_RUN_CONFIG, Target, load_run_config, resolve_target
@@ -140,12 +141,12 @@ class _Staging:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
             try:
-                _fsync_tree(self.tmp)
+                fsync_tree(self.tmp)
                 check_destination(self.out)  # another process may have filled it meanwhile
                 if self.out.exists():
                     self.out.rmdir()  # empty: checked above
                 os.replace(self.tmp, self.out)
-                _fsync_dir(self.out.parent)
+                fsync_dir(self.out.parent)
             except BaseException as e:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -160,30 +161,6 @@ class _Staging:
     def _disk_full(self, exc: OSError) -> DiskFullError:
         return DiskFullError(f"no space left on the device while writing the export to {self.out} ({exc}); the "
                              f"partial export was removed. Free some space or choose --out on another disk")
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
 
 
 def _need_space(where: Path, nbytes: int) -> None:

@@ -173,9 +173,28 @@ def correctness(completion: str, gold: str, require_boxed: bool = True) -> float
         pred = _parse("\\boxed{" + content + "}")
     else:
         pred = _parse(completion or "")
+    pred = _no_unevaluated_arithmetic(g, pred)
     if not pred:
         return 0.0
     return 1.0 if _verify(g, pred) else 0.0
+
+
+def _is_number(x) -> bool:
+    return not isinstance(x, str) and bool(getattr(x, "is_Number", False))
+
+
+def _no_unevaluated_arithmetic(gold: list, pred: list) -> list:
+    """When the gold answer is a plain number, only a plain number counts as the prediction.
+
+    math-verify evaluates what it parses: "What is 26 + 54?" answered with "26 + 54" (the question restated, nothing
+    computed) parses to 26 + 54 and verifies equal to 80. A policy finds that within a few dozen RL steps (measured
+    on the default preset: 100% "accuracy" by echoing the sum). So for a numeric gold answer, a prediction that is
+    an arithmetic expression of numbers is dropped; symbolic golds (fractions written with symbols, roots, sets)
+    keep math-verify's full equivalence check.
+    """
+    if not any(_is_number(x) for x in gold):
+        return pred
+    return [x for x in pred if isinstance(x, str) or _is_number(x)]
 
 
 def format_reward(completion: str) -> float:

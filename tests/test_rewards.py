@@ -219,3 +219,18 @@ def test_warning_log_is_throttled(caplog):
         assert s.warning_count == 60
         lines = [r for r in caplog.records if "reward_fns:moody" in r.getMessage()]
         assert len(lines) == 6  # the first 5, then every 50th
+
+
+@pytest.mark.parametrize("completion", ["26 + 54", "The answer is 26 + 54.", "\\boxed{26+54}", "\\boxed{54 + 26}"])
+def test_restating_the_question_is_not_an_answer(completion):
+    """math-verify evaluates "26 + 54" to 80; the default preset's policy learned to echo the sum within 40 steps.
+    For a numeric gold only a number counts (both with and without require_boxed)."""
+    assert correctness(completion, "80", require_boxed=False) == 0.0
+    assert correctness(completion, "80", require_boxed=True) == 0.0
+
+
+@pytest.mark.parametrize("completion,gold", [("26 + 54 = 80", "80"), ("\\boxed{80}", "80"), ("\\boxed{80.0}", "80"),
+                                             ("\\boxed{\\frac{1}{2}}", "0.5"), ("\\boxed{\\sqrt{2}}", "\\sqrt{2}"),
+                                             ("\\boxed{-3}", "-3")])
+def test_computed_answers_still_count(completion, gold):
+    assert correctness(completion, gold, require_boxed=False) == 1.0
