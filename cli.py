@@ -2,11 +2,11 @@
 """basis-lite: single-rollout RL from verifiable rewards with BASIS baselines.
 
     basis-lite train   [--preset NAME_OR_PATH] [--set key=value ...] [--output DIR] [--resume RUN_DIR]
-    basis-lite eval    RUN_DIR_OR_ADAPTER [--dataset NAME_OR_FILE] [--samples K] [--limit N]
-    basis-lite export  RUN_DIR --out DIR [--merged]
+    basis-lite eval    RUN_DIR_OR_ADAPTER [--dataset NAME_OR_FILE] [--samples K] [--limit N] [--base] [--out FILE]
+    basis-lite export  RUN_DIR --out DIR [--merged] [--dtype bfloat16|float16] [--tolerance T]
     basis-lite prior   [--preset ...] [--set ...]       precompute the BASIS reference prior (cached)
-    basis-lite plan    [--preset ...] [--gpu-memory GB]  memory estimate by part
-    basis-lite plot    RUN_DIR                           PNG charts of a run's metrics
+    basis-lite plan    [--preset ...] [--gpu-memory GiB] [--all]   memory estimate by part
+    basis-lite plot    RUN_DIR [--out DIR]              PNG charts of a run's metrics
     basis-lite presets                                   list the presets
 
 Also runs as `python cli.py ...`. Bad input exits with code 2 and one message naming the problem.
@@ -34,7 +34,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="basis-lite", description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(prog="basis-lite", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="estimate GPU memory by part for a preset, and warn when it will not fit")
     _add_config_args(p)
-    p.add_argument("--gpu-memory", type=float, default=None, help="card memory in GB (default: the preset's)")
+    p.add_argument("--gpu-memory", type=float, default=None, help="card memory in GiB, as nvidia-smi reports it (default: the preset's)")
     p.add_argument("--all", action="store_true", help="print the plan for every preset")
 
     p = sub.add_parser("plot", help="write PNG charts of a run's metrics.jsonl")

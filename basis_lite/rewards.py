@@ -180,7 +180,16 @@ def correctness(completion: str, gold: str, require_boxed: bool = True) -> float
 
 
 def _is_number(x) -> bool:
-    return not isinstance(x, str) and bool(getattr(x, "is_Number", False))
+    """A plain number, or `x = number`, or a set of plain numbers: something the model computed."""
+    if isinstance(x, str):
+        return False
+    if getattr(x, "is_Number", False):
+        return True
+    if getattr(x, "is_Relational", False):  # "x = 5": math-verify compares the right-hand side
+        return _is_number(x.rhs)
+    if getattr(x, "is_FiniteSet", False):
+        return all(_is_number(e) for e in x)
+    return False
 
 
 def _no_unevaluated_arithmetic(gold: list, pred: list) -> list:

@@ -270,12 +270,15 @@ def test_unreachable_hub_fails_fast_without_offline_env(monkeypatch, tmp_path):
     monkeypatch.setattr(data, "_hub_reachable", lambda timeout_s=3.0: False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")
     import time
+
+    import huggingface_hub.constants as hc
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     t = time.time()
     with pytest.raises(DataError, match="unreachable"):
         load_examples(cfg(dataset="gsm8k"), "train")
     assert time.time() - t < 10
-    import huggingface_hub.constants as hc
-    assert datasets.config.HF_HUB_OFFLINE == hc.HF_HUB_OFFLINE  # restored
+    assert hc.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False  # offline mode was restored
 
 
 def test_gsm8k_rows_through_a_stubbed_hub(monkeypatch):
