@@ -166,9 +166,9 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
         mb = idx[start:start + t.micro_batch_size]
         input_ids, attn, cmask = pack_sequences([rollouts[i] for i in mb], cfg.model.max_seq_length, pad_id)
         input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
+        # log-probs of the distribution the rollouts were sampled from: logits / T (T = 0 is greedy: use 1)
         out = sequence_logprobs(model, input_ids, attn, cmask, chunk_size=t.logprob_chunk_size,
-                                temperature=max(cfg.generation.temperature, 1e-4) if cfg.generation.temperature > 0 else 1.0,
-                                with_entropy=True)
+                                temperature=cfg.generation.temperature or 1.0, with_entropy=True)
         adv = advantages[mb].to(device)
         old = out.logprobs.detach()  # on-policy: one update per batch of rollouts
         if t.loss == "bpo":
