@@ -83,7 +83,7 @@ def policy():
 
 
 def _greedy_both(cfg, model, tok, engine, prompts):
-    from basis_lite.engines.vllm import stop_token_ids
+    from basis_lite.engines.base import stop_token_ids
 
     hf = HFEngine(model, tok, batch_size=8, max_prompt_tokens=cfg.model.max_seq_length - 24)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
@@ -107,7 +107,7 @@ def test_vllm_engine_matches_hf_after_a_training_step(policy):
     first_id = engine.lora_request.lora_int_id
     rolls = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=24, n=1))
     assert len(rolls) == 4 and all(r.prompt_ids and r.completion_ids for r in rolls)
-    from basis_lite.engines.vllm import stop_token_ids
+    from basis_lite.engines.base import stop_token_ids
 
     stops = stop_token_ids(tok, model.get_base_model())
     assert all(r.completion_ids[-1] in stops for r in rolls if r.finished)
