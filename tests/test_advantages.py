@@ -183,14 +183,16 @@ def test_smooth_prior():
 
 # Option combinations: every BASIS variant plus a covering list that hits every value of every option.
 _COMBOS = [dict(v) for v in BASIS_VARIANTS.values()] + [
-    dict(calibration=c, pooling=pl, fallback=fb, kernel=k, bandwidth=bw, shrink=sh, feature_norm=fn, clip=cl, tau=tau)
-    for (c, pl, fb, k, bw, sh, fn, cl, tau) in [
-        ("shift", "additive", "prior", "exp", "cv", "cv", "center", True, 0.02),
-        ("affine", "ratio", "zero", "softmax", "cv", 2.0, "standardize", False, 0.1),
-        ("none", "none", "zero", "exp", 0.1, "cv", "none", True, 0.0),
-        ("shift", "ratio", "prior", "softmax", 0.3, 0.0, "center", False, 0.3),
-        ("affine", "additive", "zero", "exp", "cv", 0.5, "none", False, 0.05),
-        ("none", "additive", "prior", "softmax", "cv", "cv", "standardize", True, 0.2),
+    dict(calibration=c, pooling=pl, fallback=fb, kernel=k, bandwidth=bw, shrink=sh, feature_norm=fn, clip=cl, tau=tau,
+         combine=cb)
+    for (c, pl, fb, k, bw, sh, fn, cl, tau, cb) in [
+        ("shift", "additive", "prior", "exp", "cv", "cv", "center", True, 0.02, "residual"),
+        ("affine", "ratio", "zero", "softmax", "cv", 2.0, "standardize", False, 0.1, "residual"),
+        ("none", "none", "zero", "exp", 0.1, "cv", "none", True, 0.0, "residual"),
+        ("shift", "ratio", "prior", "softmax", 0.3, 0.0, "center", False, 0.3, "toward_prior"),
+        ("affine", "additive", "zero", "exp", "cv", 0.5, "none", False, 0.05, "residual"),
+        ("none", "additive", "prior", "softmax", "cv", "cv", "standardize", True, 0.2, "residual"),
+        ("affine", "none", "zero", "exp", 1.0, 8.0, "standardize", True, 0.05, "toward_prior"),
     ]
 ] + [dict(calib_reg=5.0, prior_k=8, prior_clip=0.01, empty_baseline=0.5, shift_grid=(-1.0, 0.0, 2.0),
           bandwidth_grid=(0.05, 2.0), shrink_grid=(0.0, 1.0))]
@@ -303,7 +305,8 @@ def test_cv_matches_brute_force():
                                        ("exp", "ratio", True)):
         r, p, f = _batch(8, 7)
         p = p.clamp(0.2, 0.8)
-        opts = dict(calibration="none", feature_norm="none", kernel=kernel, pooling=pooling, tau=0.0)
+        opts = dict(calibration="none", feature_norm="none", kernel=kernel, pooling=pooling, tau=0.0,
+                    combine="residual")
         prior = p if use_prior else None
         fast = basis_baseline(r, prior, f, bandwidth="cv", bandwidth_grid=hs, shrink="cv", shrink_grid=lams, **opts)
         for i in range(8):
@@ -352,7 +355,7 @@ def test_similarity_pool_formula():
 
 def test_prior_and_features_pool_calibrated_residuals():
     r, p, f = _batch(7, 9)
-    opts = dict(calibration="none", bandwidth=0.5, shrink=1.0, pooling="none", tau=0.0)
+    opts = dict(calibration="none", bandwidth=0.5, shrink=1.0, pooling="none", tau=0.0, combine="residual")
     mu = smooth_prior(p)
     e = r - mu
     k = torch.exp((cosine_similarity(f) - 1) / 0.5)
@@ -380,7 +383,7 @@ def test_clip_range_and_rewards_outside_unit_interval():
     r4 = torch.tensor([0.0, 1.5, 1.5, 1.5], dtype=D)
     p4 = torch.tensor([0.95, 0.05, 0.05, 0.05], dtype=D)
     f4 = torch.ones(4, 3, dtype=D)
-    opts = dict(calibration="none", tau=0.0, bandwidth=1.0, shrink=0.0)
+    opts = dict(calibration="none", tau=0.0, bandwidth=1.0, shrink=0.0, combine="residual")
     assert basis_baseline(r4, p4, f4, **opts)[0].item() == pytest.approx(1.5)
     r4[0] = 7.0
     assert basis_baseline(r4, p4, f4, **opts)[0].item() == pytest.approx(1.5)
@@ -495,3 +498,21 @@ def test_explained_variance():
     assert explained_variance(r, torch.full_like(r, 0.3)) == pytest.approx(0.0)
     assert explained_variance(r, 1 - r) == pytest.approx(-3.0)  # Var(2r - 1) = 4 Var(r)
     assert math.isnan(explained_variance(torch.ones(4), torch.zeros(4)))
+
+
+def test_toward_prior_is_the_kernel_mean_of_the_others_shrunk_to_the_prior():
+    """combine='toward_prior' by hand: b_i = (sum_{j != i} k_ij r_j + lambda mu_i) / (S_i + lambda)."""
+    r, p, f = _batch(9, 11)
+    p = p.clamp(0.2, 0.8)
+    b = basis_baseline(r, p, f, calibration="none", feature_norm="none", bandwidth=0.5, shrink=3.0, clip=False,
+                       combine="toward_prior")
+    rd, pd, fd = r.double(), p.double(), f.double()
+    fn = fd / fd.norm(dim=1, keepdim=True)
+    cos = fn @ fn.T
+    for i in range(9):
+        k = torch.exp((cos[i] - 1.0) / 0.5)
+        k[i] = 0.0
+        want = ((k * rd).sum() + 3.0 * pd[i]) / (k.sum() + 3.0)
+        assert b[i].item() == pytest.approx(want.item(), rel=1e-9, abs=1e-12)
+    with pytest.raises(ValueError, match="toward_prior"):
+        basis_baseline(r, p, f, bandwidth="cv")
