@@ -14,7 +14,6 @@ Also runs as `python cli.py ...`. Bad input exits with code 2 and one message na
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -82,18 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from basis_lite.config import from_dict, load_config
+    from basis_lite.config import load_config, load_config_file
     from basis_lite.trainer import train
 
     if args.resume:
-        import yaml
-
         run_dir = Path(args.resume)
         cfg_path = run_dir / "config.yaml"
         if not cfg_path.exists():
             print(f"error: --resume {run_dir}: no config.yaml there; is it a basis-lite run folder?", file=sys.stderr)
             return EXIT_USAGE
-        cfg = from_dict(yaml.safe_load(cfg_path.read_text()))
+        cfg = load_config_file(cfg_path)
         if args.overrides:
             print("error: --set cannot change a resumed run (its config is fixed); start a new run instead",
                   file=sys.stderr)

@@ -332,6 +332,18 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
+def load_config_file(path: str | os.PathLike) -> Config:
+    """A resolved config saved by a run (RUN_DIR/config.yaml, adapter/basis_lite_config.yaml), validated."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
+    return from_dict(data)
+
+
 def from_dict(data: dict) -> Config:
     cfg = Config()
     _merge(cfg, data)

@@ -22,9 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
-from .config import Config, ConfigError, from_dict, load_config, to_dict
+from .config import Config, ConfigError, load_config, load_config_file, to_dict
 
 log = logging.getLogger("basis_lite")
 
@@ -82,13 +81,7 @@ def resolve_target(path: str | Path) -> Target:
 
 def load_run_config(target: Target, overrides: list[str] | None = None, dataset: str | None = None) -> Config:
     """The run's config with `--dataset` and `--set key=value` applied, validated."""
-    try:
-        data = yaml.safe_load(target.config_path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{target.config_path}: not valid YAML ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{target.config_path}: expected a mapping of config sections, got {type(data).__name__}")
-    cfg = from_dict(data)
+    cfg = load_config_file(target.config_path)
     if dataset is not None or overrides:
         d = to_dict(cfg)
         if dataset is not None:

@@ -439,12 +439,23 @@ def _run_line(cfg: Config, target: Target) -> str:
 def _prompt_note(cfg: Config) -> str:
     sys_note = (f"the system message `{cfg.data.system_prompt}`" if cfg.data.system_prompt.strip()
                 else "no system message (a default one that the template inserts was removed)")
+    answer = ("the answer is read from the last `\\boxed{...}`" if cfg.reward.require_boxed else
+              "the answer is read by math-verify from the whole completion (its last number when nothing is boxed)")
     return (f"Prompts in training were the tokenizer's chat template with {sys_note}, and the user message "
-            f"`<question> {cfg.data.instruction}`; the answer is read from the last `\\boxed{{...}}`.")
+            f"`<question> {cfg.data.instruction}`; {answer}.")
 
 
 def _example_question(cfg: Config) -> str:
     return repr(("What is 17 + 25? " + (cfg.data.instruction or "")).strip())
+
+
+def _generate_snippet(cfg: Config, out: Path) -> str:
+    """The lines both export READMEs share: tokenizer, one chat-templated question, generate, decode."""
+    return f"""tok = AutoTokenizer.from_pretrained("{out}")
+messages = [{{"role": "user", "content": {_example_question(cfg)}}}]
+inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+out = model.generate(**inputs, max_new_tokens=64)
+print(tok.decode(out[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))"""
 
 
 def _adapter_readme(cfg: Config, target: Target, out: Path, base_path: str) -> str:
@@ -463,11 +474,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 base = AutoModelForCausalLM.from_pretrained("{base_path}", dtype="auto")
 model = PeftModel.from_pretrained(base, "{out}")
-tok = AutoTokenizer.from_pretrained("{out}")
-messages = [{{"role": "user", "content": {_example_question(cfg)}}}]
-inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-out = model.generate(**inputs, max_new_tokens=64)
-print(tok.decode(out[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+{_generate_snippet(cfg, out)}
 ```
 
 {_prompt_note(cfg)}
@@ -493,11 +500,7 @@ safetensors with the base tokenizer and chat template. It loads in plain transfo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("{out}", dtype="auto")
-tok = AutoTokenizer.from_pretrained("{out}")
-messages = [{{"role": "user", "content": {_example_question(cfg)}}}]
-inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-out = model.generate(**inputs, max_new_tokens=64)
-print(tok.decode(out[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+{_generate_snippet(cfg, out)}
 ```
 
 vLLM: `vllm serve {out}` or `vllm.LLM(model="{out}")`.
