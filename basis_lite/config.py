@@ -49,7 +49,7 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    # arithmetic | algebra (both built in, generated, seeded) | gsm8k | math (hub, through `datasets`) |
+    # arithmetic | algebra | wordproblems (built in, generated, seeded) | gsm8k | math (hub, through `datasets`) |
     # a local .jsonl/.json/.csv/.parquet file
     dataset: str = "arithmetic"
     levels: list = field(default_factory=lambda: [1, 2])  # built-in tasks: difficulty levels to draw from

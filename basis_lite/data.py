@@ -36,7 +36,23 @@ algebra (built in)
     6      x on both sides: a x + b = c x + d (a > c, x in 1..20)        15,120
     =====  ============================================================  =============
 
-    For both built-in tasks the eval problems are drawn first (they depend only on data.seed, data.levels and
+wordproblems (built in)
+    Seeded one- and two-step stories over 12 names and 10 kinds of objects, "Tom has 3 apples. Tom gets 5 more
+    apples. How many apples does Tom have now?" with answer "8"; the prompts differ more from one another than
+    the other tasks' (used by ``bench/value_mse.py`` as the second task family):
+
+    =====  ============================================================  =============
+    level  problems                                                      distinct
+    =====  ============================================================  =============
+    1      has a, gets b more (a, b in 2..9)                             7,680
+    2      has a, gives b away (a in 10..20, b in 2..9)                  10,560
+    3      sold a in the morning and b in the afternoon (10..99)         972,000
+    4      a bags of b items (a in 2..9, b in 2..12)                     10,560
+    5      has a, buys b, gives c away (a in 10..30, b, c in 2..9)       161,280
+    6      shares q*d equally among d friends (q in 2..12, d in 2..9)    10,560
+    =====  ============================================================  =============
+
+    For the built-in tasks the eval problems are drawn first (they depend only on data.seed, data.levels and
     data.eval_size, not on data.train_size) and the training problems exclude them: the splits never share a
     question. ``data.train_size`` / ``data.eval_size`` are counts (0 = none); when the chosen levels hold fewer
     distinct questions than asked for, both are scaled down in proportion and a warning says so.
@@ -214,6 +230,41 @@ def _algebra_families() -> dict[str, _Family]:
     return {f.name: f for f in fams}
 
 
+_NAMES = ("Tom", "Anna", "Sam", "Maria", "Ben", "Lucy", "Omar", "Mia", "Leo", "Zoe", "Ravi", "Emma")
+_ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells", "cards", "balloons")
+
+
+def _story(name: str, axes: Sequence[Sequence], render: Callable[..., tuple[str, int]]) -> _Family:
+    """A word-problem family: `render(person, items, *numbers) -> (question, answer)` over a grid of names,
+    objects and numbers (quantities start at 2, so every noun is plural)."""
+    size, decode = _grid(_NAMES, _ITEMS, *axes)
+
+    def make(i: int) -> tuple[str, str]:
+        q, x = render(*decode(i))
+        return q, str(x)
+
+    return _Family(name, size, make)
+
+
+def _word_families() -> dict[str, _Family]:
+    fams = [
+        _story("get", [range(2, 10), range(2, 10)], lambda n, it, a, b: (
+            f"{n} has {a} {it}. {n} gets {b} more {it}. How many {it} does {n} have now?", a + b)),
+        _story("give", [range(10, 21), range(2, 10)], lambda n, it, a, b: (
+            f"{n} has {a} {it} and gives {b} of them to a friend. How many {it} does {n} have left?", a - b)),
+        _story("sell", [range(10, 100), range(10, 100)], lambda n, it, a, b: (
+            f"{n} sold {a} {it} in the morning and {b} {it} in the afternoon. How many {it} did {n} sell in "
+            f"all?", a + b)),
+        _story("bags", [range(2, 10), range(2, 13)], lambda n, it, a, b: (
+            f"{n} buys {a} bags with {b} {it} in each bag. How many {it} does {n} buy?", a * b)),
+        _story("twostep", [range(10, 31), range(2, 10), range(2, 10)], lambda n, it, a, b, c: (
+            f"{n} has {a} {it}, buys {b} more, then gives {c} away. How many {it} does {n} have now?", a + b - c)),
+        _story("share", [range(2, 13), range(2, 10)], lambda n, it, q, d: (
+            f"{n} shares {q * d} {it} equally among {d} friends. How many {it} does each friend get?", q)),
+    ]
+    return {f.name: f for f in fams}
+
+
 @dataclass(frozen=True)
 class _Task:
     name: str
@@ -233,6 +284,13 @@ def _task(name: str) -> _Task:
             4: "two-digit add/subtract", 5: "two-digit x one-digit", 6: "three-digit add/subtract",
             7: "two-digit x two-digit", 8: "exact division",
         })
+    if name == "wordproblems":
+        return _Task(name, _word_families(), {
+            1: ("get",), 2: ("give",), 3: ("sell",), 4: ("bags",), 5: ("twostep",), 6: ("share",),
+        }, {
+            1: "gets more (one-digit sum)", 2: "gives away (subtraction)", 3: "two-digit sum",
+            4: "bags of items (multiplication)", 5: "two steps (add then subtract)", 6: "equal shares (division)",
+        })
     return _Task(name, _algebra_families(), {
         1: ("x+a=b",), 2: ("ax=b",), 3: ("ax+b=c",), 4: ("ax-b=c",), 5: ("ax+b=c(neg)",), 6: ("ax+b=cx+d",),
     }, {
@@ -241,7 +299,7 @@ def _task(name: str) -> _Task:
     })
 
 
-BUILTIN_TASKS = ("arithmetic", "algebra")
+BUILTIN_TASKS = ("arithmetic", "algebra", "wordproblems")
 
 
 def level_table(task: str) -> dict[int, str]:

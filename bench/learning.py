@@ -39,6 +39,14 @@ Reproduce
     python bench/learning.py --preset smoke --steps 2 --eval-every 1 --arms reinforce_pp,grpo8 --quiet \\
         --set train.threads=1 --set data.eval_size=4           # plumbing check on the tiny random model, ~20 s
 
+Seeds: one run per arm is one sample of a noisy process (sampling, prompt order and LoRA init all follow
+``train.seed``; the eval set is fixed by ``data.seed``). ``--seeds 0 1 2`` runs every arm once per seed (runs under
+``<runs>/seed<S>/``, ``train.seed=S`` added to every arm) and reports the mean accuracy over seeds at each eval
+step with its standard error, each seed's numbers, and the paired per-seed difference of every arm to
+``reinforce_pp`` (the same seed shares the eval problems, the training prompts and the initial adapter).
+
+    python bench/learning.py --steps 20 --eval-every 10 --arms basis,reinforce_pp --seeds 0 1 2 --quiet
+
 Outputs: ``--out`` (default bench/results) gets learning.json (per arm: eval points (step, clock_s, eval_accuracy),
 prior seconds, final accuracy, settings; the machine), learning.md (table) and learning.png (accuracy vs
 wall-clock). The run folders (checkpoints, metrics.jsonl, summary.json, one log per arm) go to ``--runs`` (default
@@ -386,6 +394,11 @@ def _acc(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _acc_se(p: dict) -> str:
+    se = p.get("eval_accuracy_se")
+    return f"{p['eval_accuracy']:.3f}" + (f" +- {se:.3f}" if se is not None else "")
+
+
 def write_md(report: dict, path: Path) -> None:
     arms = [a for a in report["arm_order"] if a in report["arms"]]
     sh = report.get("settings", {})
@@ -416,9 +429,24 @@ def write_md(report: dict, path: Path) -> None:
                if r.get("prior_seconds") else "-", _fmt_clock(r.get("total_clock_s", 0.0)), _acc(r.get("accuracy_before"))]
         for s in eval_steps:
             p = by.get(s)
-            row.append(f"{p['eval_accuracy']:.3f} ({_fmt_clock(p['clock_s'])})" if p else "-")
-        row.append(f"{fin[-1]['eval_accuracy']:.3f} ({_fmt_clock(fin[-1]['clock_s'])})" if fin else "-")
+            row.append(f"{_acc_se(p)} ({_fmt_clock(p['clock_s'])})" if p else "-")
+        row.append(f"{_acc_se(fin[-1])} ({_fmt_clock(fin[-1]['clock_s'])})" if fin else "-")
         lines.append("| " + " | ".join(row) + " |")
+    if report.get("per_seed"):
+        seeds = list(report["per_seed"])
+        lines += ["", f"Means over seeds (train.seed) {', '.join(seeds)} +- the standard error over seeds; clocks are "
+                  "means. Final held-out accuracy per seed:", "",
+                  "| arm | " + " | ".join(f"seed {sd}" for sd in seeds) + " |", "|---|" + "---|" * len(seeds)]
+        for a in arms:
+            cells = [_acc((report["per_seed"][sd].get(a) or {}).get("final_accuracy")) for sd in seeds]
+            lines.append(f"| {a} | " + " | ".join(cells) + " |")
+        for a, pr in report.get("paired", {}).items():
+            lines.append("")
+            lines.append(f"Paired by seed, {a} minus {pr['vs']}: final accuracy {pr['mean_diff']:+.3f}"
+                         + (f" +- {pr['se']:.3f} (SE over {len(pr['seeds'])} seeds)" if pr["se"] is not None else
+                            " (one seed)")
+                         + "; per seed " + ", ".join(f"{sd}: {d:+.3f}" for sd, d in pr["final_accuracy_diff"].items())
+                         + f"; training clock {pr['clock_ratio']:.2f}x {pr['vs']}'s.")
     m = report.get("machine", {})
     lines += ["", f"Machine: {m.get('cpu', '?')}, {m.get('affinity_cpus', m.get('cpu_count'))} CPUs usable, "
               f"torch {m.get('torch', '?')}, train.threads={sh.get('threads') or 'all'}; load average at start "
@@ -466,6 +494,10 @@ def write_png(report: dict, path: Path) -> bool:
             ax.plot([p["train_clock_s"] / scale for p in r["points"]], ys, color=color, ls="--", lw=1, alpha=0.6,
                     label=f"{a}, prior cached (reused)")
             label += " incl. prior"
+        if r.get("seeds"):
+            label += f", mean of {len(r['seeds'])} seeds"
+            ax.errorbar(xs, ys, yerr=[p.get("eval_accuracy_se") or 0.0 for p in r["points"]], fmt="none",
+                        ecolor=color, capsize=3, lw=1)
         ax.plot(xs, ys, marker="o", ms=4, lw=2, color=color, label=label)
     sh = report.get("settings", {})
     ax.set_xlabel(f"training wall-clock, generation + update ({'min' if minutes else 's'}; eval time excluded)")
@@ -501,6 +533,8 @@ def parse_args(argv):
     p.add_argument("--runs", default=None, help="folder for the run folders (default runs/bench-learning-<preset>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every arm (repeatable)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="run every arm once per train.seed (runs under <runs>/seed<S>) and report means over seeds")
     p.add_argument("--analyze-only", action="store_true", help="no training: rebuild the outputs from JSON/run folders")
     p.add_argument("--quiet", action="store_true", help="arm output to <runs>/<arm>.log, no progress bars")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -509,6 +543,8 @@ def parse_args(argv):
     bad = [a for a in args.arms if a not in ARMS]
     if bad or not args.arms:
         p.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
+    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds: {args.seeds} repeats a seed")
     if args.prior_samples < 1:
         p.error("--prior-samples must be >= 1")
     for name in ("steps", "eval_every", "eval_size"):
@@ -516,6 +552,63 @@ def parse_args(argv):
         if v is not None and v < (0 if name != "steps" else 1):
             p.error(f"--{name.replace('_', '-')}: {v} is out of range")
     return args
+
+
+def aggregate(per_seed: dict[str, dict], arm_order: list[str]) -> dict[str, dict]:
+    """Per arm, the mean over seeds at every eval point all its seeds reached, with the standard error."""
+    out = {}
+    for arm in arm_order:
+        recs = {sd: r[arm] for sd, r in per_seed.items() if arm in r and r[arm].get("points")}
+        if not recs:
+            continue
+        keys = set.intersection(*[{(p["step"], p["final"]) for p in r["points"]} for r in recs.values()])
+        points = []
+        for step, final in sorted(keys):
+            ps = [next(p for p in r["points"] if (p["step"], p["final"]) == (step, final)) for r in recs.values()]
+            acc = [p["eval_accuracy"] for p in ps]
+            n = len(acc)
+            mean = sum(acc) / n
+            se = math.sqrt(sum((a - mean) ** 2 for a in acc) / (n - 1) / n) if n > 1 else None
+            points.append({"step": step, "final": final, "eval_accuracy": mean, "eval_accuracy_se": se,
+                           "per_seed": dict(zip(recs, acc)), "n_seeds": n,
+                           "clock_s": sum(p["clock_s"] for p in ps) / n,
+                           "train_clock_s": sum(p["train_clock_s"] for p in ps) / n})
+        first = next(iter(recs.values()))
+
+        def mean_of(key):
+            vals = [r.get(key) for r in recs.values() if r.get(key) is not None]
+            return sum(vals) / len(vals) if vals else None
+
+        out[arm] = {"arm": arm, "description": first.get("description"), "settings": first.get("settings"),
+                    "seeds": list(recs), "status": "done" if all(r.get("status") == "done" for r in recs.values())
+                    and len(recs) == len(per_seed) else "partial",
+                    "points": points, "steps": min(r.get("steps", 0) for r in recs.values()),
+                    "train_clock_s": mean_of("train_clock_s") or 0.0, "prior_seconds": mean_of("prior_seconds") or 0.0,
+                    "total_clock_s": mean_of("total_clock_s") or 0.0, "accuracy_before": mean_of("accuracy_before"),
+                    "final_accuracy": mean_of("final_accuracy")}
+    return out
+
+
+def paired(per_seed: dict[str, dict], arm_order: list[str], base: str = "reinforce_pp") -> dict[str, dict]:
+    """Every arm minus `base`, seed by seed (same eval problems, prompts and initial adapter): final accuracy and
+    training clock, with the mean difference and its standard error over seeds."""
+    out = {}
+    for arm in arm_order:
+        if arm == base:
+            continue
+        rows = {sd: (r[arm].get("final_accuracy"), r[base].get("final_accuracy"), r[arm].get("total_clock_s"),
+                     r[base].get("total_clock_s")) for sd, r in per_seed.items() if arm in r and base in r}
+        rows = {sd: v for sd, v in rows.items() if None not in v}
+        if not rows:
+            continue
+        d = [a - b for a, b, _, _ in rows.values()]
+        n = len(d)
+        m = sum(d) / n
+        se = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1) / n) if n > 1 else None
+        out[arm] = {"vs": base, "seeds": list(rows), "final_accuracy_diff": dict(zip(rows, d)), "mean_diff": m,
+                    "se": se, "clock_ratio": sum(c for _, _, c, _ in rows.values()) /
+                    max(1e-9, sum(c for _, _, _, c in rows.values()))}
+    return out
 
 
 def main(argv=None) -> int:
@@ -532,13 +625,23 @@ def main(argv=None) -> int:
             old = json.loads(json_path.read_text())
         except json.JSONDecodeError:
             old = {}
+    seeds = [None] if args.seeds is None else list(args.seeds)
+    plans_by_seed: dict = {}
     try:
-        plans, shared = plan_arms(args)
+        for sd in seeds:
+            a = argparse.Namespace(**vars(args))
+            if sd is not None:  # first, like a --set: every arm of this seed gets it
+                a.set = [f"train.seed={sd}"] + list(args.set or [])
+            plans_by_seed[sd] = plan_arms(a)
+        shared = dict(plans_by_seed[seeds[0]][1])
     except ConfigError as e:
         if not args.analyze_only:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        plans, shared = {}, old.get("settings", {})
+        plans_by_seed, shared = {}, old.get("settings", {})
+    if args.seeds is not None:
+        shared["seeds"] = list(args.seeds)
+        shared["set"] = list(args.set or [])  # without the per-seed train.seed
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "learning speed: held-out accuracy vs wall-clock (generation + training seconds)",
@@ -552,36 +655,56 @@ def main(argv=None) -> int:
     }
     if args.analyze_only:
         report["command"] = old.get("command", report["command"])
-    old_arms = old.get("arms", {}) if old.get("settings", {}).get("preset") in (None, args.preset) else {}
+    same_preset = old.get("settings", {}).get("preset") in (None, args.preset)
+    old_arms = old.get("arms", {}) if same_preset and "per_seed" not in old else {}
+    old_seeds = old.get("per_seed", {}) if same_preset else {}
+    if args.seeds is not None:
+        report["per_seed"] = {str(sd): {} for sd in seeds}
     failed = []
 
     def save():
+        if args.seeds is not None:
+            report["arms"] = aggregate(report["per_seed"], report["arm_order"])
+            report["paired"] = paired(report["per_seed"], report["arm_order"])
         json_path.write_text(json.dumps(report, indent=2, default=str))
         write_md(report, out / "learning.md")
         write_png(report, out / "learning.png")
 
-    for arm in report["arm_order"]:
-        plan = plans.get(arm)
-        info = None
-        if not args.analyze_only:
-            try:
-                info = run_arm(arm, plan, args, runs)
-            except ConfigError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-            if info.get("returncode", 0) != 0:
-                failed.append(arm)
-        rec = collect_arm(arm, runs, plan, old_arms.get(arm), info)
-        if rec is not None:
-            report["arms"][arm] = rec
-        save()  # after every arm: partial results survive an interrupted benchmark
+    for sd in seeds:
+        seed_runs = runs if sd is None else runs / f"seed{sd}"
+        plans = plans_by_seed.get(sd, ({}, {}))[0]
+        for arm in report["arm_order"]:
+            plan = plans.get(arm)
+            info = None
+            if not args.analyze_only:
+                try:
+                    info = run_arm(arm, plan, args, seed_runs)
+                except ConfigError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 2
+                if info.get("returncode", 0) != 0:
+                    failed.append(arm if sd is None else f"{arm}@seed{sd}")
+            if sd is None:
+                rec = collect_arm(arm, seed_runs, plan, old_arms.get(arm), info)
+                if rec is not None:
+                    report["arms"][arm] = rec
+            else:
+                rec = collect_arm(arm, seed_runs, plan, old_seeds.get(str(sd), {}).get(arm), info)
+                if rec is not None:
+                    report["per_seed"][str(sd)][arm] = rec
+            save()  # after every arm: partial results survive an interrupted benchmark
     save()
     print(f"wrote {json_path}, {out / 'learning.md'}, {out / 'learning.png'}")
     for arm in report["arm_order"]:
         r = report["arms"].get(arm)
         if r:
             print(f"  {arm:13s} steps {r['steps']:4d}  clock {_fmt_clock(r['total_clock_s']):>9s}  prior "
-                  f"{r['prior_seconds']:7.1f} s  acc {_acc(r.get('accuracy_before'))} -> {_acc(r.get('final_accuracy'))}")
+                  f"{r['prior_seconds']:7.1f} s  acc {_acc(r.get('accuracy_before'))} -> {_acc(r.get('final_accuracy'))}"
+                  + (f"  (mean of seeds {r['seeds']})" if r.get("seeds") else ""))
+    for arm, pr in report.get("paired", {}).items():
+        print(f"  {arm} - {pr['vs']}: final accuracy {pr['mean_diff']:+.3f}"
+              + (f" +- {pr['se']:.3f} (SE over seeds {pr['seeds']})" if pr["se"] is not None else "")
+              + f", clock ratio {pr['clock_ratio']:.2f}")
     if failed:
         print(f"failed arms: {', '.join(failed)} (see {runs}/<arm>.log or the output above)", file=sys.stderr)
         return 1

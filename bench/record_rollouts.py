@@ -3,7 +3,8 @@
 For one task family it samples, from the built-in SmolLM2 with the ``cpu-smollm2-arith`` prompt format:
   - ``ref``: the reference model (base, adapter disabled) at temperature 1.0, K samples per prompt (the BASIS prior),
   - one or more shifted policies, M samples per prompt each: the same model at a lower temperature (``t0.7``), and,
-    when ``--adapter`` points at a trained LoRA with non-zero lora_B, that trained policy at temperature 1.0,
+    when ``--adapter`` points at a trained LoRA with non-zero lora_B, that trained policy (``trained``) at the
+    temperature it was trained at (the preset's, or ``--adapter-temperature``),
 and the prompt feature of each policy (mean of the last 4 prompt positions of the middle layer, captured from the
 policy's own prefill, exactly as ``HFEngine`` does during training).
 
@@ -87,13 +88,16 @@ def generate(engine, prompts: list[str], answers: list[str], n: int, temperature
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="cpu-smollm2-arith", help="prompt format, model and reward settings")
-    ap.add_argument("--family", default="arithmetic", choices=("arithmetic", "algebra"))
+    ap.add_argument("--family", default="arithmetic", choices=("arithmetic", "algebra", "wordproblems"))
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--prompts", type=int, default=192, help="training prompts (the first N of the train split)")
     ap.add_argument("--ref-samples", type=int, default=8, help="K: reference samples per prompt (T=1.0)")
     ap.add_argument("--policy-samples", type=int, default=16, help="M: samples per prompt for each policy")
     ap.add_argument("--temps", type=float, nargs="*", default=[0.7], help="shifted policies: base at these temps")
-    ap.add_argument("--adapter", default="", help="trained LoRA folder (policy 'trained' at T=1.0) if usable")
+    ap.add_argument("--adapter", default="", help="trained LoRA folder (policy 'trained') if usable")
+    ap.add_argument("--adapter-temperature", type=float, default=None,
+                    help="sampling temperature of the 'trained' policy (default: the preset's generation.temperature, "
+                         "the temperature it was trained at)")
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--batch", type=int, default=128, help="sequences per generate() call")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (2 threads on 2 busy cores ran 5x slower)")
@@ -179,7 +183,8 @@ def main(argv=None) -> int:
             from safetensors.torch import load_file
 
             set_peft_model_state_dict(model, load_file(str(Path(a.adapter) / "adapter_model.safetensors")))
-            run("trained", a.policy_samples, 1.0, a.seed + 100)
+            t_adapter = cfg.generation.temperature if a.adapter_temperature is None else a.adapter_temperature
+            run("trained", a.policy_samples, t_adapter, a.seed + 100)
     meta["total_seconds"] = round(time.time() - t_start, 1)
     save()
     return 0

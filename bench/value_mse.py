@@ -388,8 +388,9 @@ def markdown(report: dict) -> str:
              "toward the calibrated prior mu_i (similarity_pool(r, f, target=mu, bandwidth=0.3, shrink=lambda), "
              "prior pseudo-count 4) instead of mu_i + pooled residuals. `history_raw` = prior_values with one earlier "
              "reward of the prompt and no reference prior. Every MSE has the truth noise (reported per scenario) "
-             "subtracted; the arithmetic/ref scenario is the no-drift case (policy = reference, 4 samples for the "
-             "prior and 4 for the policy per prompt, split at random per resample).", ""]
+             "subtracted. `<family>/ref` scenarios are the no-drift case (policy = reference: each prompt's "
+             "reference samples are split at random, per resample, into prior samples and policy samples; the "
+             "counts are in the scenario lines).", ""]
     for m in report["recordings"]:
         pols = ", ".join(f"{k}: {v['samples']}/prompt at T={v['temperature']} ({v.get('seconds', 0):.0f} s, mean reward "
                          f"{v.get('mean_reward', float('nan')):.3f})" for k, v in m["policies"].items())

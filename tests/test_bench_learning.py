@@ -142,3 +142,39 @@ def test_prior_counted_in_clock(mod, tmp_path):
     md = (out / "learning.md").read_text()
     assert "| basis_prior |" in md and "7.00 s" in md
     assert (out / "learning.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_seeds_mean_se_and_paired_difference(mod, tmp_path):
+    """--seeds: per-seed run folders are averaged per eval point (with the SE over seeds) and paired by seed."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    times = [(2.0, 1.0), (2.5, 0.5), (3.0, 1.0)]
+    _fake_run(runs / "seed0" / "basis", times, [0.1, 0.3, 0.5, 0.6], None)
+    _fake_run(runs / "seed0" / "reinforce_pp", times, [0.1, 0.2, 0.4, 0.5], None)
+    _fake_run(runs / "seed1" / "basis", times, [0.2, 0.3, 0.4, 0.8], None)
+    _fake_run(runs / "seed1" / "reinforce_pp", [(4.0, 2.0)] * 3, [0.2, 0.3, 0.4, 0.6], None)
+    assert mod.main(["--preset", "smoke", "--arms", "basis,reinforce_pp", "--seeds", "0", "1", "--out", str(out),
+                     "--runs", str(runs), "--analyze-only"]) == 0
+    rep = json.loads((out / "learning.json").read_text())
+    assert set(rep["per_seed"]) == {"0", "1"} and rep["settings"]["seeds"] == [0, 1]
+    b = rep["arms"]["basis"]
+    assert b["seeds"] == ["0", "1"] and b["status"] == "done"
+    last = b["points"][-1]
+    assert last["final"] and last["eval_accuracy"] == pytest.approx(0.7)
+    assert last["eval_accuracy_se"] == pytest.approx(0.1)  # sd 0.1414 / sqrt(2)
+    assert b["final_accuracy"] == pytest.approx(0.7) and b["accuracy_before"] == pytest.approx(0.15)
+    r = rep["arms"]["reinforce_pp"]
+    assert r["points"][-1]["clock_s"] == pytest.approx((10.0 + 18.0) / 2)  # clocks are means over seeds
+    pr = rep["paired"]["basis"]
+    assert pr["vs"] == "reinforce_pp" and pr["final_accuracy_diff"] == pytest.approx({"0": 0.1, "1": 0.2})
+    assert pr["mean_diff"] == pytest.approx(0.15) and pr["se"] == pytest.approx(0.05)
+    assert pr["clock_ratio"] == pytest.approx(20.0 / 28.0)
+    md = (out / "learning.md").read_text()
+    assert "0.700 +- 0.100" in md and "+0.150 +- 0.050" in md and "| seed 0 | seed 1 |" in md
+    # a missing seed run leaves that arm partial, and the other seeds still count
+    import shutil
+    shutil.rmtree(runs / "seed1" / "basis")
+    assert mod.main(["--preset", "smoke", "--arms", "basis,reinforce_pp", "--seeds", "0", "1", "--out",
+                     str(tmp_path / "out2"), "--runs", str(runs), "--analyze-only"]) == 0
+    rep2 = json.loads((tmp_path / "out2" / "learning.json").read_text())
+    assert rep2["arms"]["basis"]["status"] == "partial" and rep2["arms"]["basis"]["final_accuracy"] == 0.6
+    assert rep2["paired"]["basis"]["seeds"] == ["0"] and rep2["paired"]["basis"]["se"] is None

@@ -14,7 +14,8 @@ def cfg(**kw) -> DataConfig:
 
 # -- built-in tasks -----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("task, levels", [("arithmetic", [1, 2, 3, 4, 5, 6, 7, 8]), ("algebra", [1, 2, 3, 4, 5, 6])])
+@pytest.mark.parametrize("task, levels", [("arithmetic", [1, 2, 3, 4, 5, 6, 7, 8]), ("algebra", [1, 2, 3, 4, 5, 6]),
+                                         ("wordproblems", [1, 2, 3, 4, 5, 6])])
 def test_builtin_deterministic_disjoint_and_sized(task, levels):
     c = cfg(dataset=task, levels=levels, train_size=500, eval_size=100, seed=7)
     tr, ev = load_examples(c, "train"), load_examples(c, "eval")
@@ -54,6 +55,23 @@ def test_algebra_answers_solve_the_equation():
         assert val(m[1], x + 1) != val(m[2], x + 1)
 
 
+def test_wordproblem_answers_follow_the_story():
+    import re
+    c = cfg(dataset="wordproblems", levels=[1, 2, 3, 4, 5, 6], train_size=600, eval_size=0)
+    rules = {"get": lambda a, b: a + b, "give": lambda a, b: a - b, "sell": lambda a, b: a + b,
+             "bags": lambda a, b: a * b, "twostep": lambda a, b, c: a + b - c, "share": lambda total, d: total // d}
+    seen = set()
+    for e in load_examples(c, "train"):
+        nums = [int(v) for v in re.findall(r"\d+", e.question)]
+        fam = e.meta["family"]
+        seen.add(fam)
+        assert int(e.answer) == rules[fam](*nums) > 0, e
+        if fam == "share":
+            assert nums[0] % nums[1] == 0, e  # equal shares are whole
+        assert e.question.endswith("?") and " 1 " not in e.question  # plural nouns: no quantity of one
+    assert seen == set(rules)
+
+
 def test_eval_split_does_not_depend_on_train_size():
     a = load_examples(cfg(dataset="arithmetic", levels=[3, 4], train_size=100, eval_size=50), "eval")
     b = load_examples(cfg(dataset="arithmetic", levels=[3, 4], train_size=3000, eval_size=50), "eval")
@@ -91,7 +109,7 @@ def test_overlapping_levels_never_repeat_a_question():
 
 
 def test_unknown_dataset_and_split():
-    with pytest.raises(DataError, match="arithmetic, algebra"):
+    with pytest.raises(DataError, match="arithmetic, algebra, wordproblems"):
         load_examples(cfg(dataset="nonsense"), "train")
     with pytest.raises(ValueError, match="split"):
         load_examples(cfg(), "validation")
