@@ -94,7 +94,7 @@ def load_recordings(paths: list[str]) -> dict[str, Family]:
         pols = {}
         for name in meta["policies"]:
             pols[name] = (arrays[f"{name}_rewards"].astype(np.uint8), arrays[f"{name}_features"].astype(np.float32))
-        summary = {"file": str(Path(path).relative_to(ROOT)) if Path(path).resolve().is_relative_to(ROOT)
+        summary = {"file": str(Path(path).resolve().relative_to(ROOT)) if Path(path).resolve().is_relative_to(ROOT)
                    else str(path), "family": fam, "levels": meta.get("levels"), "n_prompts": meta["n_prompts"],
                    "offset": meta.get("offset", 0), "policies": meta["policies"], "dtype": meta.get("dtype"),
                    "device": meta.get("device", "cpu"), "threads": meta.get("threads"),
