@@ -16,8 +16,19 @@ Note: ``HFEngine.generate(prompts, SamplingParams(n=S))`` with S > 1 hands every
 the first prompts of the chunk (transformers expands the inputs before the prefill; ``feats[p]`` then indexes the
 expanded batch). This script sidesteps it by repeating each prompt S times with n = 1, which is the same compute.
 
-    python bench/record_rollouts.py --family arithmetic --levels 1 2 3 --prompts 192
-    python bench/record_rollouts.py --family algebra --levels 1 2 3 --prompts 192
+The committed recordings (2 CPU cores, 2026-11-30; 34 + 27 + 34 minutes):
+
+    python bench/record_rollouts.py --family arithmetic --prompts 512 --ref-samples 8 --policy-samples 8 \
+        --temps 0.7 --max-new-tokens 48 --threads 2 --out bench/results/rollouts_arithmetic.npz
+    python bench/record_rollouts.py --family arithmetic --prompts 512 --ref-samples 8 --policy-samples 8 \
+        --temps 0.7 --max-new-tokens 48 --threads 2 --out bench/results/rollouts_arithmetic.npz --append \
+        --adapter runs/bench-learning-cpu-smollm2-arith/seed0/basis/checkpoints/step-000010/adapter
+    python bench/record_rollouts.py --family wordproblems --levels 1 2 4 6 --prompts 256 --ref-samples 6 \
+        --policy-samples 6 --temps 0.7 --max-new-tokens 80 --threads 2 --batch 96 \
+        --out bench/results/rollouts_wordproblems.npz
+
+(the adapter is the BASIS arm of ``bench/learning.py --seeds 0`` after 10 of its 20 steps: a policy mid-training).
+On a GPU the same takes minutes: ``--device cuda --dtype bfloat16 --batch 512``.
 """
 from __future__ import annotations
 
