@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 
 from .engines.base import SamplingParams
 
-PSEUDO_COUNT = 4.0  # bench/value_mse.py: 4-8 pseudo-observations cut K=2 priors' error from 1.3-1.8x to ~0.9x the batch mean's
+PSEUDO_COUNT = 4.0  # bench/value_mse.py, first (64-prompt) recording: 4-8 pseudo-observations cut K=2 priors' error from
+# 1.3-1.8x to ~0.9x the batch mean's (pseudo-count 1 is no longer a row of the benchmark; 4 vs 8 are, as x:*_pc rows)
 
 
 def prior_key(cfg, prompts: list[str], k: int) -> str:

