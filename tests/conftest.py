@@ -117,3 +117,7 @@ def smoke_run(tmp_path_factory):
     proc = run_cli_subprocess("train", "--preset", "smoke", "--output", str(run_dir), "--no-progress")
     assert proc.returncode == 0, f"smoke run failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return SimpleNamespace(proc=proc, run_dir=run_dir, wall=proc.wall)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--golden-print", action="store_true", help="print the values tests/test_golden_curve.py pins")
