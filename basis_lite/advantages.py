@@ -25,7 +25,7 @@ point, not just up to rounding; ``tests/test_advantages.py`` checks it for every
 
 Defaults
 --------
-The BASIS paper published no code or equations (see ``shared/research/papers.md`` section 1); this is our own
+The BASIS paper published no code or equations (see ``docs/papers.md``); this is our own
 principled reconstruction. ``bench/value_mse.py`` loops over ``BASIS_VARIANTS`` on recorded SmolLM2 rollouts
 (arithmetic, 512 prompts, and word problems, 256; the reference, a T=0.7 policy and a policy mid-training; batches
 of 32-256): the fixed kernel (bandwidth 0.3, shrinkage 2 pseudo-prompts) beat per-batch cross-validation in 19 of

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .errors import DiskFullError
 from .faults import maybe_kill
 
 MARKER = "COMPLETE"
@@ -101,7 +102,6 @@ def save_checkpoint(run_dir: Path, step: int, model, state: dict, config_text: s
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # frees the space; the previous checkpoint is untouched
         if _is_disk_full(e):
-            from .errors import DiskFullError
 
             prev = latest_checkpoint(run_dir)
             kept = (f"the last good checkpoint {prev.name} is kept" if prev is not None

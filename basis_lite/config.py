@@ -6,6 +6,7 @@ exit code 2 before anything is written).
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import os
 import re
 import types
@@ -16,12 +17,18 @@ from typing import Any
 
 import yaml
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
+from .errors import ConfigError
+
+
+def _preset_dir() -> Path:
+    """The presets: inside the installed package (a wheel ships the top-level presets/ as basis_lite/presets), or
+    the checkout's top-level presets/ folder (source tree, editable install)."""
+    packaged = Path(str(importlib.resources.files("basis_lite"))) / "presets"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parent.parent / "presets"
+
+
+PRESET_DIR = _preset_dir()
 DEFAULT_PRESET = "cpu-smollm2-arith"
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the key and what would be accepted."""
 
 
 @dataclass

@@ -99,15 +99,13 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from .errors import DataError
+
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "eval")
 LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 _PERMUTE_MAX = 200_000  # level spaces up to this size are drawn as a full seeded permutation
-
-
-class DataError(ValueError):
-    """Data that cannot be loaded or has too many bad rows; the message says what and where."""
 
 
 @dataclass

@@ -1,20 +1,32 @@
-"""The exceptions a user can fix by changing input; the CLI prints their message and exits with code 2."""
+"""Every exception a user can fix by changing their input or setup. The CLI prints the message and exits with 2.
+
+This module imports nothing from the package, so any module (and the torch-free commands) can import it.
+"""
 from __future__ import annotations
 
-from .config import ConfigError
-from .data import DataError
-from .models import ModelError
-from .rewards import RewardError
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and what would be accepted."""
+
+
+class DataError(ValueError):
+    """Data that cannot be loaded or has too many bad rows; the message says what and where."""
+
+
+class ModelError(RuntimeError):
+    """The model cannot be loaded as configured; the message says what to change."""
+
+
+class RewardError(ValueError):
+    """A user reward function spec that cannot be loaded; the message names the spec and the problem."""
 
 
 class DiskFullError(OSError):
     """Writing a checkpoint or export failed for lack of space; the previous checkpoint is intact."""
 
 
-def _training_aborted():
-    from .trainer import TrainingAborted
-
-    return TrainingAborted
+class TrainingAborted(RuntimeError):
+    """The run cannot go on (repeated NaN losses, out of memory); the message says what to change."""
 
 
-USER_ERRORS = (ConfigError, DataError, ModelError, RewardError, DiskFullError, _training_aborted())
+USER_ERRORS = (ConfigError, DataError, ModelError, RewardError, DiskFullError, TrainingAborted)

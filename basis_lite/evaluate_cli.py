@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from .config import Config, ConfigError, load_config, load_config_file, to_dict
 
 log = logging.getLogger("basis_lite")

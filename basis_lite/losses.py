@@ -10,7 +10,7 @@ Notation (per token t of sequence i):
     r_{i,t}    = exp(lp - old)                      importance ratio
     A_i        advantage (one per sequence, broadcast over tokens) or A_{i,t} (one per token)
 
-Aggregation ("token-mean", DAPO §6.5 of shared/research/papers.md): the sum over every masked token of the batch
+Aggregation ("token-mean", as in DAPO, arXiv 2503.14476): the sum over every masked token of the batch
 divided by the number of masked tokens,
     L = (1 / N) * sum_{i,t} m_{i,t} * l_{i,t},      N = sum_{i,t} m_{i,t}.
 Under gradient accumulation pass `num_tokens` = N of the WHOLE optimizer step (all micro-batches): the micro-batch

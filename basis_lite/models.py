@@ -11,6 +11,8 @@ in the cache directory, from which every later run loads in well under a second.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import glob
 import json
 import logging
@@ -19,10 +21,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
 import torch
+
+from .errors import ModelError
 
 log = logging.getLogger("basis_lite")
 
@@ -32,10 +37,6 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-class ModelError(RuntimeError):
-    """The model cannot be loaded as configured; the message says what to change."""
 
 
 def cache_root(cache_dir: str = "") -> Path:
@@ -58,22 +59,83 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype for `model.dtype` on this device; logs what `auto` chose and why.
+
+    GPU: bf16 where supported, else fp16 (a T4). CPU: bf16 only where the processor runs it natively
+    (avx512_bf16 or amx_bf16 in its flags) AND a short matmul timing confirms it is faster than fp32 (virtual
+    machines can report flags the host does not honour); everywhere else fp32, because bf16 matmuls without native
+    support are emulated and run many times slower. An explicit bfloat16 on such a CPU runs, with a warning that
+    names the slowdown measured here.
+    """
     if name != "auto":
         dtype = getattr(torch, name)
         if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ModelError("model.dtype: bfloat16 is not supported on this GPU (pre-Ampere, e.g. a T4); "
                              "use float16 or auto")
+        if dtype == torch.bfloat16 and device.type == "cpu":
+            check = cpu_bf16_check()
+            if not check.fast:
+                log.warning("model.dtype=bfloat16 on a CPU %s: %s; model.dtype=auto would pick float32",
+                            "without native bf16 (no avx512_bf16/amx_bf16 flag)" if not check.flags
+                            else "whose bf16 measured slow", check.describe())
         return dtype
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    if not cpu_bf16_flags():  # nothing to confirm: no timing
+        dtype, why = torch.float32, "this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag)"
+    else:
+        check = cpu_bf16_check()
+        dtype = torch.bfloat16 if check.fast else torch.float32
+        why = f"the CPU reports {'/'.join(check.flags)} and {check.describe()}"
+    log.info("model.dtype=auto: %s on this CPU because %s", str(dtype).replace("torch.", ""), why)
+    return dtype
 
 
-def cpu_has_fast_bf16() -> bool:
+@dataclasses.dataclass(frozen=True)
+class Bf16Check:
+    flags: tuple[str, ...]  # native bf16 flags the CPU reports (avx512_bf16, amx_bf16)
+    bf16_ms: float  # best of a few [256 x 576] @ [576 x 1536] matmuls
+    fp32_ms: float
+
+    @property
+    def fast(self) -> bool:
+        return bool(self.flags) and self.bf16_ms < self.fp32_ms
+
+    def describe(self) -> str:
+        return (f"a 256x576 @ 576x1536 matmul took {self.bf16_ms:.1f} ms in bf16 vs {self.fp32_ms:.1f} ms in fp32 "
+                f"here ({self.bf16_ms / max(self.fp32_ms, 1e-9):.1f}x)")
+
+
+def cpu_bf16_flags() -> tuple[str, ...]:
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text() or "amx_bf16" in Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return ()
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    return tuple(f for f in ("avx512_bf16", "amx_bf16") if f in flags)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_check() -> Bf16Check:
+    """Native-bf16 flags and a sub-second timing of one SmolLM2-sized matmul in bf16 and fp32 (once per process)."""
+    flags = cpu_bf16_flags()
+
+    def best_ms(dtype: torch.dtype) -> float:
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(256, 576, generator=g).to(dtype)
+        b = torch.randn(576, 1536, generator=g).to(dtype)
+        a @ b  # warm-up (kernel selection, packing)
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        return best * 1e3
+
+    return Bf16Check(flags=flags, bf16_ms=best_ms(torch.bfloat16), fp32_ms=best_ms(torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -212,7 +274,7 @@ def bnb_available() -> bool:
 
 
 def disable_bnb_cpu_packing(model) -> int:
-    """Work around a silent bitsandbytes bug on AVX512-BF16 CPUs (see DESIGN.md).
+    """Work around a silent bitsandbytes bug on AVX512-BF16 CPUs.
 
     The first eval-mode no-grad forward of a `Linear4bit` (e.g. generate) repacks its weight for a fused CPU kernel
     that has no backward; every later LoRA gradient through that layer is then silently wrong. Turning the repacking

@@ -61,7 +61,6 @@ def _series(records: list[dict], key: str) -> tuple[list[float], list[float]] | 
 
 def _figure():
     from matplotlib.figure import Figure
-
     from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(7, 4), dpi=100)

@@ -48,16 +48,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .errors import RewardError
+
 log = logging.getLogger(__name__)
 
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
 _LOG_FIRST = 5  # warnings logged per user function before throttling kicks in
 _LOG_EVERY = 50  # after that, one warning line per this many
 _STARTUP_TIMEOUT_S = 120.0  # a fresh worker must import the user functions within this time
-
-
-class RewardError(ValueError):
-    """A user reward function spec that cannot be loaded; the message names the spec and the problem."""
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One RL step on a GPU, measured: basis-lite (HF engine), basis-lite + Unsloth, and TRL's GRPOTrainer as the anchor.
 
-Workload (DESIGN.md's anchor): a random-init model of Qwen2.5-1.5B's shape (built from a config: no download; the
+Workload: a random-init model of Qwen2.5-1.5B's shape (built from a config: no download; the
 byte-level ChatML tokenizer of the tiny test model, whose ids fit in Qwen's vocabulary), 4-bit NF4 base + LoRA r=16
 on all linear layers, 64 completions x exactly 256 new tokens per step:
     basis-hf             basis-lite's load_policy + HFEngine (min_new_tokens=256) + trainer.policy_update,
@@ -16,7 +16,7 @@ GPU memory (torch max_memory_allocated, and the device's used memory at the end)
 for the same config next to it. Prints a table; writes bench/results/gpu_step.json (and $OUT/gpu_step.json).
 
 Run it on the device machine (an offline H200 with Python 3.12, torch 2.11 and transformers 5.17):
-    here, once:  bash /work/shared/device/fetch-gpu-wheels.sh      # run from the repo root: wheels into .whl/
+    here, once:  fetch the GPU wheels into .whl/ (git-ignored) with the device machine's wheel script
     there:       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                    --target .whl/site .whl/*.whl && export PYTHONPATH=$PWD:$PWD/.whl/site \
                    && python3 bench/gpu_step.py --out "$OUT"

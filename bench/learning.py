@@ -228,6 +228,14 @@ def _loadavg():
         return None
 
 
+def _shown(path: Path) -> str:
+    """A path as written into results: relative to the repository when inside it (no machine paths in results)."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return Path(path).name
+
+
 def _has_checkpoint(run_dir: Path) -> bool:
     """A complete checkpoint to resume from (as basis_lite.checkpoint.latest_checkpoint, without importing torch)."""
     ck = run_dir / "checkpoints"
@@ -365,7 +373,7 @@ def collect_arm(arm: str, runs: Path, plan: dict | None, old: dict | None, run_i
     if plan is not None:
         rec["settings"] = plan
     rec.update({
-        "arm": arm, "description": DESCRIPTIONS.get(arm, arm), "run_dir": str(run_dir),
+        "arm": arm, "description": DESCRIPTIONS.get(arm, arm), "run_dir": _shown(run_dir),
         "status": "done" if summary else "partial",
         "points": c["points"], "steps": c["steps_done"], "generation_s": c["generation_s"],
         "training_s": c["training_s"], "train_clock_s": c["train_clock_s"],
@@ -647,7 +655,7 @@ def main(argv=None) -> int:
         "benchmark": "learning speed: held-out accuracy vs wall-clock (generation + training seconds)",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python bench/learning.py " + " ".join(argv),
-        "settings": shared, "runs": str(runs),
+        "settings": shared, "runs": _shown(runs),
         "machine": old.get("machine") if args.analyze_only and old.get("machine") else machine_info(),
         "arm_order": list(dict.fromkeys(list(args.arms) + [a for a in old.get("arm_order", []) if a not in args.arms]))
         if args.analyze_only else list(args.arms),

@@ -35,8 +35,8 @@ import pytest  # noqa: E402
 CACHE_DIR = Path(_CACHE)
 REWARD = "tests.reward_fns:char_sum_reward"
 # small and fast: no BASIS prior, short generations, one torch thread (the same in a subprocess and in-process, so
-# runs are bitwise comparable), user rewards in-process (reward.timeout_s=0: no worker to spawn)
-FAST = ["estimator.prior_samples=0", "train.threads=1", "generation.max_new_tokens=8",
+# runs are bitwise comparable), float32 whatever the CPU (auto could pick bf16), user rewards in-process (reward.timeout_s=0: no worker to spawn)
+FAST = ["model.dtype=float32", "estimator.prior_samples=0", "train.threads=1", "generation.max_new_tokens=8",
         "train.eval_max_new_tokens=4", "data.eval_size=4", "reward.timeout_s=0"]
 VARIED = FAST + [f"reward.functions=[{REWARD}]"]
 STEP_FIELDS = ("step", "reward_mean", "accuracy", "baseline_mean", "advantage_std", "explained_variance", "kl",

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import FAST, VARIED, adapter_weights, cli_main, sets, snapshot, step_records
 
 
@@ -187,8 +186,9 @@ def test_fake_cuda_oom_at_the_gpu_boundary_suggests_a_smaller_micro_batch(tmp_pa
 
 
 def test_disk_full_while_checkpointing_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
-    import basis_lite.checkpoint as ckpt
     from safetensors.torch import load_file
+
+    import basis_lite.checkpoint as ckpt
 
     real_save = ckpt.torch.save
     calls = []

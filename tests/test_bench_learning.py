@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST, REPO, sets, subprocess_env
 
 SCRIPT = REPO / "bench" / "learning.py"

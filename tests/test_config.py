@@ -6,8 +6,18 @@ import dataclasses
 import pytest
 import yaml
 
-from basis_lite.config import (CHOICES, Config, ConfigError, TrainConfig, from_dict, list_presets, load_config,
-                               preset_path, save_config, to_dict)
+from basis_lite.config import (
+    CHOICES,
+    Config,
+    ConfigError,
+    TrainConfig,
+    from_dict,
+    list_presets,
+    load_config,
+    preset_path,
+    save_config,
+    to_dict,
+)
 
 
 @pytest.mark.parametrize("name", list_presets())

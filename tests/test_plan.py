@@ -7,12 +7,18 @@ import re
 
 import pytest
 import torch
-
 from conftest import cli_main
 
 from basis_lite.config import list_presets, load_config, preset_path
-from basis_lite.plan import (ModelShape, build_plan, estimate_memory, header_gpu_memory, model_shape,
-                             shape_from_config_json, standby_utilization)
+from basis_lite.plan import (
+    ModelShape,
+    build_plan,
+    estimate_memory,
+    header_gpu_memory,
+    model_shape,
+    shape_from_config_json,
+    standby_utilization,
+)
 
 GPU_PRESETS = ["colab-t4-qwen2.5-1.5b-gsm8k", "gpu-8gb", "gpu-12gb", "gpu-24gb"]
 

@@ -7,9 +7,18 @@ import subprocess
 
 import pytest
 import torch
-
-from conftest import (REPO, VARIED, adapter_weights, cli_cmd, cli_main, read_lines, sets, snapshot, step_records,
-                      subprocess_env)
+from conftest import (
+    REPO,
+    VARIED,
+    adapter_weights,
+    cli_cmd,
+    cli_main,
+    read_lines,
+    sets,
+    snapshot,
+    step_records,
+    subprocess_env,
+)
 
 STEPS = 4
 KEEP = 2

