@@ -143,20 +143,3 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_state(ckpt: Path) -> dict:
     return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop metric lines written after `last_step` (they belong to steps that will be redone on resume)."""
-    import json
-
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        if rec.get("step", 0) <= last_step:
-            keep.append(line)
-    atomic_write_text(path, "".join(k + "\n" for k in keep))

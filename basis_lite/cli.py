@@ -79,22 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# the commands: each calls typed library functions and prints; imports stay inside, so that `presets`, `plan` and
+# `plot` never import torch
+
+
 def cmd_train(args) -> int:
-    from basis_lite.config import load_config, load_config_file
+    from basis_lite.config import load_config
+    from basis_lite.runs import resume_config
     from basis_lite.trainer import train
 
     if args.resume:
-        run_dir = Path(args.resume)
-        cfg_path = run_dir / "config.yaml"
-        if not cfg_path.exists():
-            print(f"error: --resume {run_dir}: no config.yaml there; is it a basis-lite run folder?", file=sys.stderr)
-            return EXIT_USAGE
-        cfg = load_config_file(cfg_path)
-        if args.overrides:
-            print("error: --set cannot change a resumed run (its config is fixed); start a new run instead",
-                  file=sys.stderr)
-            return EXIT_USAGE
-        summary = train(cfg, run_dir, resume=True, progress=not args.no_progress)
+        cfg = resume_config(args.resume, args.overrides)
+        summary = train(cfg, Path(args.resume), resume=True, progress=not args.no_progress)
     else:
         cfg = load_config(args.preset, args.overrides)
         summary = train(cfg, args.output, progress=not args.no_progress)
@@ -122,50 +119,63 @@ def cmd_presets(args) -> int:
 
 def cmd_prior(args) -> int:
     from basis_lite.config import load_config
-    from basis_lite.data import format_prompt, load_examples
-    from basis_lite.engines.base import params_from_config
-    from basis_lite.models import cache_root, resolve_device, resolve_dtype
-    from basis_lite.priors import load_or_compute_prior
-    from basis_lite.rewards import RewardScorer
-    from basis_lite.trainer import build_policy, seed_everything
+    from basis_lite.priors import compute_prior
 
-    cfg = load_config(args.preset, args.overrides)
-    k = args.samples or cfg.estimator.prior_samples or 8
-    device = resolve_device(cfg.device)
-    examples = load_examples(cfg.data, "train")
-    seed_everything(cfg.train.seed)
-    model, tok, engine = build_policy(cfg, device, resolve_dtype(cfg.model.dtype, device))
-    prompts = [format_prompt(tok, ex.question, cfg.data) for ex in examples]
-    with RewardScorer(cfg.reward) as scorer:
-        table = load_or_compute_prior(cfg, cache_root(cfg.model.cache_dir), engine, model, examples, prompts,
-                                      scorer, params_from_config(cfg.generation), k)
+    table = compute_prior(load_config(args.preset, args.overrides), args.samples or 0)
     state = "reused cached" if table["cached"] else f"computed in {table['seconds']:.0f}s"
-    print(f"prior K={k} over {len(examples)} prompts {state}: mean success {table['mean']:.3f} (key {table['key']})")
+    print(f"prior K={table['k']} over {table['prompts']} prompts {state}: mean success {table['mean']:.3f} "
+          f"(key {table['key']})")
     return 0
 
 
 def cmd_eval(args) -> int:
-    from basis_lite.evaluate_cli import run_eval_command
+    from basis_lite.runs import evaluate_run, format_eval_table
 
-    return run_eval_command(args)
+    result = evaluate_run(args.target, dataset=args.dataset, samples=args.samples, limit=args.limit, base=args.base,
+                          overrides=args.overrides, out=args.out)
+    print(format_eval_table(result))
+    print(f"results written to {result['out']}")
+    return 0
 
 
 def cmd_export(args) -> int:
-    from basis_lite.export import run_export_command
+    from basis_lite.export import export_run
 
-    return run_export_command(args)
+    report = export_run(args.run_dir, args.out, merged=args.merged, dtype=args.dtype, tolerance=args.tolerance)
+    out = report["out"]
+    if report["kind"] == "adapter":
+        print(f"adapter written to {out} (load: PeftModel.from_pretrained(base, {out!r}); see README.md)")
+        return 0
+    c = report["check"]
+    print(f"self-check: reloaded {c['saved_dtype']} model vs base + adapter (fp32): max |logit diff| "
+          f"{c['max_abs_diff']:.4g} (tolerance {c['tolerance']:.4g}, max |logit| {c['max_abs_logit']:.4g}); vs the "
+          f"same weights in memory {c['roundtrip_max_abs_diff']:.3g}")
+    print(f"merged {report['dtype']} model written to {out} ({report['size_mb']:.1f} MB)")
+    print(f"self-check passed: max |logit diff| {c['max_abs_diff']:.3g} <= tolerance {c['tolerance']:.3g} "
+          f"over {c['positions']} positions of {c['prompts']} prompts (max |logit| {c['max_abs_logit']:.3g}; "
+          f"fp32 merge error {c['merge_max_abs_diff']:.3g}; adapter effect {c['adapter_effect']:.3g})")
+    return 0
 
 
 def cmd_plan(args) -> int:
-    from basis_lite.plan import run_plan_command
+    from basis_lite.config import list_presets
+    from basis_lite.plan import PLAN_FOOTER, plan_for
 
-    return run_plan_command(args)
+    names = list_presets() if args.all else [args.preset or None]
+    blocks = [plan_for(name, args.overrides, args.gpu_memory) for name in names]
+    print("\n\n".join([*blocks, PLAN_FOOTER]), flush=True)
+    return 0
 
 
 def cmd_plot(args) -> int:
-    from basis_lite.plot import run_plot_command
+    from basis_lite.plot import plot_run
 
-    return run_plot_command(args)
+    plots = plot_run(args.run_dir, args.out)
+    if plots.skipped:
+        print(f"skipped {plots.skipped} line(s) of {plots.metrics} that did not parse")
+    for p in plots.paths:
+        print(p)
+    return 0
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "prior": cmd_prior, "plan": cmd_plan,

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .estimators import estimator_names, get_estimator
 
 
 def _preset_dir() -> Path:
@@ -94,12 +95,13 @@ class RewardConfig:
 
 @dataclass
 class EstimatorConfig:
-    name: str = "basis"  # basis | reinforce_pp | grpo | dr_grpo | rloo
-    rollouts_per_prompt: int = 1  # G; grpo, dr_grpo and rloo need G > 1
-    prior_samples: int = 0  # BASIS offline prior: K reference rollouts per training prompt before training (0 = none)
-    use_features: bool = True  # BASIS: pool other prompts' rewards by similarity of the policy's prompt hidden states
-    history: bool = False  # BASIS: refine the prior with this run's earlier rewards for the same prompt
-    options: dict = field(default_factory=dict)  # extra keyword options for basis_baseline()
+    name: str = "basis"  # a name registered in basis_lite.estimators: basis | reinforce_pp | grpo | dr_grpo | rloo
+    rollouts_per_prompt: int = 1  # G; at least the estimator's min_rollouts (grpo, dr_grpo and rloo need G >= 2)
+    prior_samples: int = 0  # offline prior: K reference rollouts per training prompt before training (0 = none)
+    use_features: bool = True  # pool other prompts' rewards by similarity of the policy's prompt hidden states
+    history: bool = False  # refine the prior with this run's earlier rewards for the same prompt
+    # (the three above apply to estimators that use features / a prior / the history: basis)
+    options: dict = field(default_factory=dict)  # checked at load; basis: estimators/basis_options.py
     normalize: bool = False  # divide advantages by the batch std (REINFORCE++ always does)
 
 
@@ -151,7 +153,7 @@ CHOICES = {
     "model.backend": ("auto", "hf", "unsloth"),
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "generation.engine": ("hf", "vllm"),
-    "estimator.name": ("basis", "reinforce_pp", "grpo", "dr_grpo", "rloo"),
+    "estimator.name": estimator_names(),  # the registry (validate() reads it again, for names registered later)
     "train.schedule": ("cosine", "constant"),
     "train.optimizer": ("auto", "adamw", "adamw8bit"),
     "train.loss": ("ppo_clip", "bpo"),
@@ -297,6 +299,8 @@ def get(cfg: Config, key: str) -> Any:
 
 def validate(cfg: Config) -> None:
     for key, choices in CHOICES.items():
+        if key == "estimator.name":
+            choices = estimator_names()
         if get(cfg, key) not in choices:
             raise ConfigError(f"{key}: {get(cfg, key)!r} is not accepted; choose one of {', '.join(choices)}")
     for key in POSITIVE:
@@ -306,9 +310,19 @@ def validate(cfg: Config) -> None:
         if get(cfg, key) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {get(cfg, key)!r}")
     t, e = cfg.train, cfg.estimator
-    if e.name in ("grpo", "dr_grpo", "rloo") and e.rollouts_per_prompt < 2:
-        raise ConfigError(f"estimator.name={e.name} needs estimator.rollouts_per_prompt >= 2 "
-                          f"(got {e.rollouts_per_prompt}); use basis or reinforce_pp for one rollout per prompt")
+    spec = get_estimator(e.name)
+    if e.rollouts_per_prompt < spec.min_rollouts:
+        fits = [n for n in estimator_names() if get_estimator(n).min_rollouts <= e.rollouts_per_prompt]
+        per = "one rollout" if e.rollouts_per_prompt == 1 else f"{e.rollouts_per_prompt} rollouts"
+        raise ConfigError(f"estimator.name={e.name} needs estimator.rollouts_per_prompt >= {spec.min_rollouts} "
+                          f"(got {e.rollouts_per_prompt}); use {' or '.join(fits)} for {per} per prompt")
+    e.options = spec.validate_options(e.options)
+    with_prior = spec.uses_prior and (e.prior_samples > 0 or e.history) and e.options.get("use_prior", True)
+    if with_prior and spec.uses_features and e.use_features and e.options.get("combine", "toward_prior") == "toward_prior" \
+            and "cv" in (e.options.get("bandwidth"), e.options.get("shrink")):
+        raise ConfigError("estimator.options: bandwidth/shrink 'cv' cannot be combined with a prior "
+                          "(estimator.prior_samples > 0 or estimator.history) under the default combine: "
+                          "toward_prior; add combine: residual, or use fixed numbers")
     if not 0 <= cfg.data.max_bad_fraction <= 1:
         raise ConfigError(f"data.max_bad_fraction: must be in [0, 1], got {cfg.data.max_bad_fraction}")
     if not 0 < cfg.generation.top_p <= 1:

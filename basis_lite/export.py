@@ -1,8 +1,8 @@
-"""`basis-lite export`: the trained adapter alone (peft format), or a merged 16-bit model that checks itself.
+"""Export a run's adapter alone (peft format), or as a merged 16-bit model that checks itself (`basis-lite export`).
 
-    basis-lite export RUN_DIR --out DIR                 adapter + tokenizer + README (loads with PeftModel)
-    basis-lite export RUN_DIR --out DIR --merged        merged safetensors for plain transformers / vLLM
-                      [--dtype auto|bfloat16|float16|float32] [--tolerance T]
+    export_run(run_dir, out)                  adapter + tokenizer + README (loads with PeftModel)
+    export_run(run_dir, out, merged=True,     merged safetensors for plain transformers / vLLM
+               dtype="auto", tolerance=None)  (dtype: auto | bfloat16 | float16 | float32)
 
 Merged export, step by step:
 
@@ -37,7 +37,7 @@ merged, weights rounded, fp32 compute) the error was 3.2u (bf16: 0.47 on max |lo
 leaves about 3x headroom for deeper models; 2^-13 covers fp32 summation-order noise (measured 4.5e-6 relative).
 A missing, doubled or misscaled LoRA delta is caught by the much tighter MERGE check, and anything lost between
 memory and disk by the exact reload comparison; the rounding tolerance bounds what the user finally gets.
-`--tolerance` replaces the round-trip tolerance with an absolute number.
+`tolerance` (`--tolerance`) replaces the round-trip tolerance with an absolute number.
 """
 from __future__ import annotations
 
@@ -54,10 +54,10 @@ from pathlib import Path
 import torch
 
 from .checkpoint import fsync_dir, fsync_tree
-from .config import Config, ConfigError, save_config
-from .errors import DiskFullError
-from .evaluate_cli import ADAPTER_RUN_CONFIG, Target, load_run_config, resolve_target
-from .models import ModelError, resolve_model_path
+from .config import Config, save_config
+from .errors import ConfigError, DiskFullError, ModelError
+from .models import resolve_model_path
+from .runs import ADAPTER_RUN_CONFIG, Target, load_run_config, resolve_target
 
 log = logging.getLogger("basis_lite")
 
@@ -83,34 +83,35 @@ def merge_tolerance(max_abs_logit: float) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the command
+# the entry point
 
 
-def run_export_command(args) -> int:
-    target = resolve_target(args.run_dir)
+def export_run(run_dir: str | Path, out: str | Path, merged: bool = False, dtype: str = "auto",
+               tolerance: float | None = None) -> dict:
+    """Export a run's (or an adapter folder's) adapter to `out`: the adapter alone, or with `merged` a merged model
+    in `dtype` that passed the self-check within `tolerance` (default: the rounding rule above).
+
+    Returns the export report (also written to `out`/basis_lite_export.json) plus "out": the folder.
+    """
+    target = resolve_target(run_dir)
     if target.adapter is None:
         raise ConfigError(f"{target.path}: the run has no adapter yet (no adapter/ and no complete checkpoint); "
                           f"nothing to export")
-    if args.tolerance is not None and not args.tolerance >= 0:
-        raise ConfigError(f"--tolerance: expected a number >= 0 (max absolute logit difference), got {args.tolerance}")
-    out = Path(args.out).expanduser()
+    if tolerance is not None and not tolerance >= 0:
+        raise ConfigError(f"--tolerance: expected a number >= 0 (max absolute logit difference), got {tolerance}")
+    out = Path(out).expanduser()
     check_destination(out)
     cfg = load_run_config(target)
+    # threads only: the export computes on the CPU in float32 whatever device and dtype the run trained with
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    if args.merged:
-        report = export_merged(cfg, target, out, dtype_name=args.dtype, tolerance=args.tolerance)
-        c = report["check"]
-        print(f"merged {report['dtype']} model written to {out} ({report['size_mb']:.1f} MB)")
-        print(f"self-check passed: max |logit diff| {c['max_abs_diff']:.3g} <= tolerance {c['tolerance']:.3g} "
-              f"over {c['positions']} positions of {c['prompts']} prompts (max |logit| {c['max_abs_logit']:.3g}; "
-              f"fp32 merge error {c['merge_max_abs_diff']:.3g}; adapter effect {c['adapter_effect']:.3g})")
+    if merged:
+        report = export_merged(cfg, target, out, dtype_name=dtype, tolerance=tolerance)
     else:
-        if args.dtype != "auto" or args.tolerance is not None:
+        if dtype != "auto" or tolerance is not None:
             log.warning("--dtype and --tolerance only apply with --merged; the adapter is copied as trained")
-        export_adapter(cfg, target, out)
-        print(f"adapter written to {out} (load: PeftModel.from_pretrained(base, {str(out)!r}); see README.md)")
-    return 0
+        report = export_adapter(cfg, target, out)
+    return {**report, "out": str(out)}
 
 
 def check_destination(out: Path) -> None:
@@ -139,7 +140,7 @@ class _Staging:
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
+        if exc_type is None:  # publish: the temp folder becomes `out`
             try:
                 fsync_tree(self.tmp)
                 check_destination(self.out)  # another process may have filled it meanwhile
@@ -147,15 +148,14 @@ class _Staging:
                     self.out.rmdir()  # empty: checked above
                 os.replace(self.tmp, self.out)
                 fsync_dir(self.out.parent)
+                return False
             except BaseException as e:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise self._disk_full(e) from None
-                raise
-            return False
+                exc = e
         shutil.rmtree(self.tmp, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise self._disk_full(exc) from None
+        if exc_type is None:
+            raise exc
         return False
 
     def _disk_full(self, exc: OSError) -> DiskFullError:
@@ -163,7 +163,8 @@ class _Staging:
                              f"partial export was removed. Free some space or choose --out on another disk")
 
 
-def _need_space(where: Path, nbytes: int) -> None:
+def _need_space(out: Path, nbytes: int) -> None:
+    where = out.parent if out.parent.exists() else Path(".")
     free = shutil.disk_usage(where).free
     if free < nbytes:
         raise DiskFullError(f"not enough free space for the export in {where}: about "
@@ -198,7 +199,7 @@ def export_adapter(cfg: Config, target: Target, out: Path) -> dict:
     files = [p for p in sorted(src.iterdir()) if p.is_file() and p.name not in ADAPTER_FILES_SKIPPED]
     base_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
     tok = _load_base_tokenizer(base_path)
-    _need_space(out.parent if out.parent.exists() else Path("."), sum(p.stat().st_size for p in files) + (32 << 20))
+    _need_space(out, sum(p.stat().st_size for p in files) + (32 << 20))
     with _Staging(out) as tmp:
         for p in files:
             shutil.copy2(p, tmp / p.name)
@@ -363,7 +364,7 @@ def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "aut
         del merged.config.quantization_config
     n_params = sum(p.numel() for p in merged.parameters())
     est_bytes = n_params * torch.tensor([], dtype=dtype).element_size() + (64 << 20)
-    _need_space(out.parent if out.parent.exists() else Path("."), est_bytes)
+    _need_space(out, est_bytes)
 
     with _Staging(out) as tmp:
         _save_model(merged, tok, tmp)
@@ -389,11 +390,8 @@ def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "aut
                  f"u={UNIT_ROUNDOFF[dtype]:.3g}", "max_abs_logit": scale, "merge_max_abs_diff": merge_err,
                  "merge_tolerance": merge_tol, "rounding_max_abs_diff": rounding_err,
                  "roundtrip_max_abs_diff": roundtrip_err, "roundtrip_tolerance": merge_tol,
-                 "adapter_effect": adapter_effect, "prompts": len(ids),
+                 "adapter_effect": adapter_effect, "saved_dtype": SAFETENSORS_DTYPE[dtype], "prompts": len(ids),
                  "positions": sum(x.shape[1] for x in ids)}
-        print(f"self-check: reloaded {SAFETENSORS_DTYPE[dtype]} model vs base + adapter (fp32): max |logit diff| "
-              f"{diff:.4g} (tolerance {tol:.4g}, max |logit| {scale:.4g}); vs the same weights in memory "
-              f"{roundtrip_err:.3g}")
         if not diff <= tol:
             raise ModelError(f"export self-check FAILED: the saved model's logits differ from base + adapter by up "
                              f"to {diff:.4g} (tolerance {tol:.3g}, max |logit| {scale:.3g}; rounding to "
@@ -445,14 +443,11 @@ def _prompt_note(cfg: Config) -> str:
             f"`<question> {cfg.data.instruction}`; {answer}.")
 
 
-def _example_question(cfg: Config) -> str:
-    return repr(("What is 17 + 25? " + (cfg.data.instruction or "")).strip())
-
-
 def _generate_snippet(cfg: Config, out: Path) -> str:
     """The lines both export READMEs share: tokenizer, one chat-templated question, generate, decode."""
+    question = repr(("What is 17 + 25? " + (cfg.data.instruction or "")).strip())
     return f"""tok = AutoTokenizer.from_pretrained("{out}")
-messages = [{{"role": "user", "content": {_example_question(cfg)}}}]
+messages = [{{"role": "user", "content": {question}}}]
 inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 out = model.generate(**inputs, max_new_tokens=64)
 print(tok.decode(out[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))"""

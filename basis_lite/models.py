@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import glob
-import json
 import logging
 import os
 import shutil
@@ -379,7 +378,3 @@ def peak_memory_mb(device: torch.device) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     except Exception:  # noqa: BLE001
         return float("nan")
-
-
-def write_json(path: str | os.PathLike, obj) -> None:
-    Path(path).write_text(json.dumps(obj, indent=2))

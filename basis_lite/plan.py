@@ -1,8 +1,14 @@
-"""`basis-lite plan`: a GPU memory estimate by part for a preset, and a warning (with what to change) when it won't fit.
+"""A GPU memory estimate by part for a preset, and a warning (with what to change) when it won't fit.
+
+    plan_for(preset, overrides, gpu_memory) -> str   the table `basis-lite plan` prints for one preset
+    build_plan(cfg, gpu_memory_gb) -> Plan           the parts, total, notes and problems
+    estimate_memory(cfg) -> {part: GiB, "total": GiB}
 
     basis-lite plan --preset colab-t4-qwen2.5-1.5b-gsm8k            # card size from the preset header
     basis-lite plan --preset gpu-8gb --gpu-memory 6 --set train.micro_batch_size=2
     basis-lite plan --all                                           # every preset
+
+Torch-free (it imports neither torch nor the model code), so `basis-lite plan` starts in a fraction of a second.
 
 The estimate is arithmetic over the model's shape (read from a local config.json, the local Hugging Face cache, or
 a small built-in table of known models: nothing is downloaded) and the config:
@@ -29,11 +35,11 @@ import glob
 import json
 import os
 import re
-import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, ConfigError, list_presets, load_config, preset_path
+from .config import Config, ConfigError, load_config, preset_path
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5
@@ -112,6 +118,13 @@ def shape_from_config_json(path: str | os.PathLike, name: str = "") -> ModelShap
                       int(c["vocab_size"]), bool(c.get("tie_word_embeddings", False)))
 
 
+def _cache_root(cache_dir: str = "") -> Path:
+    """`models.cache_root` without importing torch (models.py does): `plan` stays a light command."""
+    root = cache_dir or os.environ.get("BASIS_LITE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "basis-lite")
+    return Path(root)
+
+
 def _table_key(name: str) -> str:
     key = name.rstrip("/").split("/")[-1].lower()
     for suffix in ("-unsloth-bnb-4bit", "-bnb-4bit", "-instruct"):
@@ -121,11 +134,9 @@ def _table_key(name: str) -> str:
 
 def model_shape(model_name: str, cache_dir: str = "") -> tuple[ModelShape, str]:
     """(shape, where it came from) without downloading anything."""
-    from .models import cache_root
-
     if model_name in BUILTIN_ALIASES:
         if model_name == "builtin:smollm2-135m-instruct":
-            local = cache_root(cache_dir) / "smollm2-135m-instruct" / "config.json"
+            local = _cache_root(cache_dir) / "smollm2-135m-instruct" / "config.json"
             if local.exists():
                 return shape_from_config_json(local, "SmolLM2-135M-Instruct"), f"config.json in {local.parent}"
         return KNOWN_SHAPES[BUILTIN_ALIASES[model_name]], "built-in table"
@@ -319,7 +330,7 @@ def estimate_memory(cfg: Config, gpu_memory_gb: float | None = None) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the command
+# the printed plan
 
 
 def header_gpu_memory(preset: str | None) -> float | None:
@@ -415,20 +426,19 @@ def format_plan(name: str, cfg: Config, plan: Plan, card: float | None, card_sou
     return "\n".join(lines)
 
 
-def run_plan_command(args) -> int:
-    overrides = list(getattr(args, "overrides", None) or [])
-    names = list_presets() if getattr(args, "all", False) else [args.preset or None]
-    out = []
-    for name in names:
-        cfg = load_config(name, overrides)
-        label = name or cfg.preset
-        card, source = args.gpu_memory, "--gpu-memory"
-        if card is None:
-            card, source = header_gpu_memory(label), "preset header"
-        plan = build_plan(cfg, card)
-        out.append(format_plan(label, cfg, plan, card, source, overrides))
-    out.append("Estimates come from the model shape and the config (see basis_lite/plan.py); they are NOT YET CHECKED "
+PLAN_FOOTER = ("Estimates come from the model shape and the config (see basis_lite/plan.py); they are NOT YET CHECKED "
                "against a measured GPU peak (no GPU was available). bench/gpu_step.py measures one on a GPU.")
-    print("\n\n".join(out))
-    sys.stdout.flush()
-    return 0
+
+
+def plan_for(preset: str | None = None, overrides: Sequence[str] = (), gpu_memory: float | None = None) -> str:
+    """The memory plan of one preset (default: the default preset) with `overrides`, as printed by `basis-lite plan`.
+
+    The card size is `gpu_memory` (GiB) or else the preset header's `# gpu_memory_gb: N`.
+    """
+    overrides = list(overrides)
+    cfg = load_config(preset, overrides)
+    label = preset or cfg.preset
+    card, source = gpu_memory, "--gpu-memory"
+    if card is None:
+        card, source = header_gpu_memory(label), "preset header"
+    return format_plan(label, cfg, build_plan(cfg, card), card, source, overrides)

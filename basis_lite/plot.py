@@ -1,4 +1,6 @@
-"""`basis-lite plot RUN_DIR [--out DIR]`: PNG charts of a run's metrics.jsonl (matplotlib, Agg, imported only here).
+"""PNG charts of a run's metrics.jsonl (`basis-lite plot RUN_DIR [--out DIR]`; matplotlib, Agg, imported only here).
+
+    plots = plot_run(run_dir, out=None)      Plots(paths written, lines skipped, the metrics file)
 
 Charts (each written only when its data is there):
 
@@ -7,42 +9,18 @@ Charts (each written only when its data is there):
     step_time.png           generation and training seconds per step, stacked
     eval_accuracy.png       held-out greedy accuracy (overall and per level) at the eval points
 
-Lines that fail to parse (a run killed mid-write) are skipped with a count; when a step appears twice (a run resumed
-without truncation) the later record wins.
+The metrics are read with `basis_lite.metrics.read_metrics`: lines that fail to parse (a run killed mid-write) are
+skipped and counted; when a step appears twice (a run resumed without truncation) the later record wins. Torch-free.
 """
 from __future__ import annotations
 
-import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
-
-
-def read_metrics(path: Path) -> tuple[list[dict], list[dict], int]:
-    """(step records sorted by step, eval records sorted by step, number of lines skipped)."""
-    steps: dict[int, dict] = {}
-    evals: list[dict] = []
-    skipped = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                skipped += 1
-                continue
-            if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)):
-                skipped += 1
-                continue
-            if rec.get("event") in ("eval", "eval_final"):
-                if "eval_accuracy" in rec:
-                    evals.append(rec)
-            elif "event" not in rec:
-                steps[int(rec["step"])] = rec
-    evals.sort(key=lambda r: (r["step"], r.get("event") == "eval_final"))
-    return [steps[s] for s in sorted(steps)], evals, skipped
+from .errors import ConfigError
+from .metrics import FILE as METRICS_FILE
+from .metrics import read_metrics
 
 
 def _num(v) -> float:
@@ -86,23 +64,29 @@ def _all_nan(ys: list[float]) -> bool:
     return all(math.isnan(y) for y in ys)
 
 
-def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write the charts; returns the paths written. ConfigError when there is nothing to plot."""
+@dataclass
+class Plots:
+    paths: list[Path]  # the charts written
+    skipped: int  # lines of the metrics file that did not parse
+    metrics: Path  # the metrics file read
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Plots:
+    """Write the charts into `out` (default RUN_DIR/plots). ConfigError when there is nothing to plot."""
     try:
         import matplotlib  # noqa: F401  (drawn on Agg canvases directly: no global backend switch, no display)
     except ImportError:
         raise ConfigError("`basis-lite plot` needs matplotlib: pip install 'basis-lite[plot]'") from None
     run_dir = Path(run_dir)
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
         what = "no such folder" if not run_dir.exists() else "no metrics.jsonl there"
         raise ConfigError(f"{run_dir}: {what}; `basis-lite plot` takes a run folder written by `basis-lite train`")
     steps, evals, skipped = read_metrics(metrics)
-    if skipped:
-        print(f"skipped {skipped} line(s) of {metrics} that did not parse")
     if not steps and not evals:
-        raise ConfigError(f"{metrics}: no step or eval records to plot (is the run just starting?)")
-    out = Path(out_dir) if out_dir else run_dir / "plots"
+        bad = f"{skipped} line(s) did not parse; " if skipped else ""
+        raise ConfigError(f"{metrics}: no step or eval records to plot ({bad}is the run just starting?)")
+    out = Path(out) if out else run_dir / "plots"
     out.mkdir(parents=True, exist_ok=True)
     title = run_dir.resolve().name
     written: list[Path] = []
@@ -171,11 +155,4 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         ax.set_title(f"{title}: held-out accuracy")
         ax.legend(loc="best")
         written.append(_save(fig, out / "eval_accuracy.png"))
-    return written
-
-
-def run_plot_command(args) -> int:
-    paths = plot_run(args.run_dir, getattr(args, "out", None))
-    for p in paths:
-        print(p)
-    return 0
+    return Plots(written, skipped, metrics)

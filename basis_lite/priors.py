@@ -10,7 +10,8 @@ the run's own earlier rewards for prompt i (h_i successes out of n_i, all from E
 the current reward and leave-one-out safe) are added: p_i = (s_i + h_i + c m) / (K + n_i + c).
 
 The table is cached as JSON under a key of model, dataset config, rendered prompts, reward config and sampling
-settings, so later runs (and later epochs) reuse it; `basis-lite prior --preset ...` precomputes it.
+settings, so later runs (and later epochs) reuse it. `compute_prior(cfg, samples)` (`basis-lite prior --preset ...`)
+builds the reference policy and precomputes it; the trainer calls `load_or_compute_prior` with its own policy.
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ import torch
 from tqdm.auto import tqdm
 
 from .engines.base import SamplingParams
+from .errors import ConfigError
 
-PSEUDO_COUNT = 4.0  # bench/value_mse.py, first (64-prompt) recording: 4-8 pseudo-observations cut K=2 priors' error from
-# 1.3-1.8x to ~0.9x the batch mean's (pseudo-count 1 is no longer a row of the benchmark; 4 vs 8 are, as x:*_pc rows)
+PSEUDO_COUNT = 4.0  # chosen with bench/value_mse.py (its x:*_pc rows compare pseudo-counts; bench/results/value_mse.md)
 
 
 def prior_key(cfg, prompts: list[str], k: int) -> str:
@@ -93,6 +94,32 @@ def load_or_compute_prior(cfg, cache_root: Path, engine, model, examples, prompt
     os.replace(tmp, path)
     table["cached"] = False
     return table
+
+
+def compute_prior(cfg, samples: int = 0, progress: bool = True) -> dict:
+    """Load the reference policy of `cfg` and compute (or reuse from the cache) its prior over the training prompts.
+
+    K = `samples`, else `estimator.prior_samples`, else 8. Returns the `load_or_compute_prior` table plus "prompts"
+    (how many training prompts it covers).
+    """
+    from .data import format_prompt, load_examples
+    from .engines.base import params_from_config
+    from .models import cache_root
+    from .rewards import RewardScorer
+    from .runtime import build_policy, seed_everything, setup_device
+
+    if samples < 0:
+        raise ConfigError(f"--samples: expected K >= 0, got {samples}")
+    k = samples or cfg.estimator.prior_samples or 8
+    examples = load_examples(cfg.data, "train")  # a bad dataset fails before the model loads
+    device, dtype = setup_device(cfg)
+    seed_everything(cfg.train.seed)
+    model, tok, engine = build_policy(cfg, device, dtype)
+    prompts = [format_prompt(tok, ex.question, cfg.data) for ex in examples]
+    with RewardScorer(cfg.reward) as scorer:
+        table = load_or_compute_prior(cfg, cache_root(cfg.model.cache_dir), engine, model, examples, prompts,
+                                      scorer, params_from_config(cfg.generation), k, progress=progress)
+    return {**table, "prompts": len(examples)}
 
 
 def prior_values(ids: list[str], table: dict | None, history: dict | None = None,

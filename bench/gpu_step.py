@@ -37,8 +37,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (REPO, REPO / "bench"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 VARIANTS = ("basis-hf", "basis-unsloth", "basis-unsloth-vllm", "trl-grpo")
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -160,7 +161,8 @@ def run_basis(args, model_dir: str, backend: str, engine_name: str, dry: bool = 
     from basis_lite.engines.base import params_from_config
     from basis_lite.models import resolve_device, resolve_dtype
     from basis_lite.plan import estimate_memory
-    from basis_lite.trainer import build_policy, make_optimizer, policy_update, seed_everything
+    from basis_lite.runtime import build_policy, seed_everything
+    from basis_lite.update import make_optimizer, policy_update
 
     cfg = basis_config(model_dir, args, backend, engine_name, dry)
     device = resolve_device(cfg.device)
@@ -333,7 +335,9 @@ def environment() -> dict:
 
     import torch
 
-    info = {"python": platform.python_version(), "torch": torch.__version__,
+    from provenance import provenance
+
+    info = {**provenance(), "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     for name in ("transformers", "peft", "bitsandbytes", "trl", "unsloth", "vllm"):
         try:

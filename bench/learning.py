@@ -66,7 +66,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -75,8 +74,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "bench"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 RESULTS = ROOT / "bench" / "results"
 
 # torch is NOT imported in the driver (the arms run in their own processes); only basis_lite.config (yaml) is
@@ -192,32 +192,17 @@ def worker(spec_path: str) -> int:
 
 
 def machine_info() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "hostname": platform.node()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        flags = Path("/proc/cpuinfo").read_text()
-        info["avx512_bf16"] = "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        pass
-    try:
-        info["affinity_cpus"] = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        pass
+    """Where this was measured (git commit, CPU model and speed flags, versions); see bench/provenance.py."""
+    from provenance import provenance
+
+    info = provenance()
     try:
         from importlib.metadata import version
 
-        for pkg in ("torch", "transformers", "peft"):
-            try:
-                info[pkg] = version(pkg)
-            except Exception:
-                pass
-    except ImportError:
+        for pkg in ("transformers", "peft"):
+            info[pkg] = version(pkg)
+    except Exception:  # noqa: BLE001 - versions are informative only
         pass
-    info["loadavg"] = _loadavg()
     return info
 
 

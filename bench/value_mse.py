@@ -26,8 +26,8 @@ E (b_i - V_i)^2, V_i the true value); the uncorrected number and the subtracted 
 Group estimators with G rollouts do not depend on the batch: the group mean (GRPO's value estimate, r_i included)
 has MSE V(1 - V)/G and RLOO (the mean of the other G - 1) V(1 - V)/(G - 1), exactly; both are evaluated with the
 unbiased per-prompt estimate of V(1 - V) from all policy samples, so any G (2, 4, 8) is available whatever the
-number of recorded samples. ``x:`` rows are candidate estimators that are not (yet) in ``advantages.py``
-(see the table header in value_mse.md). ``group_mean_G*_emp`` rows are the same estimators resampled empirically (a check; only
+number of recorded samples. ``basis:<v>`` rows are ``BASIS_VARIANTS[v]`` (bench/basis_variants.py); ``x:`` rows
+are candidate estimators that are not (yet) in ``basis_lite/estimators`` (see the table header in value_mse.md). ``group_mean_G*_emp`` rows are the same estimators resampled empirically (a check; only
 where enough samples were recorded).
 
 Per-prompt MSEs are averaged over resamples and then over prompts; ratios to REINFORCE++ carry a paired bootstrap
@@ -50,19 +50,17 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "bench"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 RESULTS = ROOT / "bench" / "results"
 
 import torch  # noqa: E402
+from basis_variants import BASIS_VARIANTS  # noqa: E402
 
-from basis_lite.advantages import (  # noqa: E402
-    BASIS_DEFAULTS,
-    BASIS_VARIANTS,
-    basis_baseline,
-    calibrate_shift,
-    calibrated_values,
-    similarity_pool,
-)
+from basis_lite.estimators.basis import basis_baseline  # noqa: E402
+from basis_lite.estimators.basis_blocks import calibrate_shift, calibrated_values, similarity_pool  # noqa: E402
+from basis_lite.estimators.basis_options import BASIS_DEFAULTS  # noqa: E402
 from basis_lite.priors import PSEUDO_COUNT, prior_values  # noqa: E402
 
 GROUP_SIZES = (2, 4, 8)
@@ -383,7 +381,7 @@ def markdown(report: dict) -> str:
              "`@K` = BASIS prior from K reference samples per prompt (0 = none), built as `priors.prior_values` does "
              f"(pseudo-count {PSEUDO_COUNT:g} toward the dataset mean). `basis:<v>` rows are `BASIS_VARIANTS[v]`; "
              "`basis:default_nofeat` = BASIS_DEFAULTS without features. `x:` rows are candidates that are NOT in "
-             "advantages.py: `x:features_h<h>_l<lambda>` fixed similarity pooling; `x:*_pc<c>` a prior with "
+             "basis_lite/estimators: `x:features_h<h>_l<lambda>` fixed similarity pooling; `x:*_pc<c>` a prior with "
              "pseudo-count c; `x:features_toward_prior_l<lambda>` the kernel mean of the other prompts' REWARDS shrunk "
              "toward the calibrated prior mu_i (similarity_pool(r, f, target=mu, bandwidth=0.3, shrink=lambda), "
              "prior pseudo-count 4) instead of mu_i + pooled residuals. `history_raw` = prior_values with one earlier "

@@ -78,6 +78,29 @@ def cli_main(*args) -> int:
     return cli.main(list(args))
 
 
+def train_smoke(run_dir, *overrides: str, one_thread: bool = False) -> Path:
+    """The one run factory: `basis-lite train --preset smoke` in this process, with `--set` overrides; asserts exit 0.
+
+    one_thread: torch on 1 thread while it trains (a tiny model on a shared 2-core machine: faster and kinder),
+    restored afterwards.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    if one_thread:
+        torch.set_num_threads(1)
+    try:
+        rc = cli_main("train", "--preset", "smoke", "--output", str(run_dir), "--no-progress", *sets(overrides))
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0, f"smoke training into {run_dir} exited {rc}"
+    return Path(run_dir)
+
+
+SMALL = ["estimator.prior_samples=0", "data.train_size=16", "data.eval_size=4", "train.threads=1",
+         "reward.timeout_s=0", "generation.max_new_tokens=8"]
+
+
 def read_lines(run_dir) -> list[dict]:
     return [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line.strip()]
 

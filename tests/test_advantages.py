@@ -1,36 +1,42 @@
-"""Tests for basis_lite.advantages: hand-computed estimators, the leave-one-out rule, invariances, edge cases,
-a brute-force check of the bandwidth cross-validation, and small value-MSE simulations."""
+"""Tests for basis_lite.estimators: the registry and its one interface, hand-computed estimators, the leave-one-out
+rule, invariances, edge cases, a brute-force check of the bandwidth cross-validation, small value-MSE simulations,
+and the option checks when a config loads.
+
+Building blocks that only these tests use (BLUE pooling around given values, the general calibration fit) are in
+tests/reference_estimators.py; the package's estimators are checked against them."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
+from reference_estimators import blue_pool, calibrate
 
-from basis_lite.advantages import (
-    BASIS_DEFAULTS,
-    BASIS_VARIANTS,
-    ESTIMATORS,
-    basis_baseline,
-    blue_pool,
-    calibrate,
+from basis_lite.config import load_config
+from basis_lite.errors import ConfigError
+from basis_lite.estimators import EstimatorContext, EstimatorSpec, estimator_names, get_estimator, register
+from basis_lite.estimators.base import explained_variance, leave_one_out_mean, leave_one_out_sum
+from basis_lite.estimators.basis import basis_baseline
+from basis_lite.estimators.basis_blocks import (
     calibrate_shift,
     calibrated_values,
-    compute_advantages,
     cosine_similarity,
-    dr_grpo_advantages,
-    explained_variance,
-    group_mean_baseline,
-    grpo_advantages,
-    leave_one_out_mean,
-    leave_one_out_sum,
-    reinforce_pp_advantages,
-    rloo_baseline,
     similarity_pool,
     smooth_prior,
 )
+from basis_lite.estimators.basis_options import BASIS_DEFAULTS
+from basis_lite.estimators.simple import (
+    dr_grpo_advantages,
+    group_mean_baseline,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_baseline,
+)
+from bench.basis_variants import BASIS_VARIANTS
 
 D = torch.float64
 
@@ -43,6 +49,14 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def compute(name, rewards, prior=None, features=None, normalize=False, **options):
+    """The registered estimator ``name`` through its one interface: (advantages [B, G], baselines [B, G])."""
+    B = rewards.shape[0] if rewards.dim() else 0
+    ctx = EstimatorContext(prompt_ids=[f"p{i}" for i in range(B)], prior=prior, features=features, options=options,
+                           normalize=normalize)
+    return get_estimator(name).compute(rewards, ctx)
 
 
 def _batch(B: int, seed: int = 0, binary: bool = True):
@@ -111,7 +125,7 @@ def test_leave_one_out_sum_is_exact():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# BLUE pooling and calibration, hand-computed
+# BLUE pooling and calibration: the reference implementations by hand, the package against them
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -147,6 +161,20 @@ def test_blue_active_set_and_fallback():
     assert blue_pool(r2, mu2, form="ratio")[0].item() == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("form", ["additive", "ratio", "none"])
+def test_basis_prior_pooling_matches_reference_blue_pool(form):
+    """basis_baseline with a prior, no features and no calibration is BLUE pooling around the smoothed prior."""
+    g = torch.Generator().manual_seed(14)
+    for B, tau, fallback, clip in ((9, 0.02, "prior", True), (12, 0.2, "zero", True), (7, 0.3, "prior", False),
+                                   (2, 0.02, "prior", True), (1, 0.02, "zero", True)):
+        r = torch.bernoulli(torch.full((B,), 0.5, dtype=D), generator=g) * 1.5  # rewards above 1: a wider clip
+        p = torch.rand(B, dtype=D, generator=g) * 0.9 + 0.05
+        b = basis_baseline(r, p, use_features=False, calibration="none", pooling=form, tau=tau, fallback=fallback,
+                           clip=clip)
+        want = blue_pool(r, smooth_prior(p), form=form, tau=tau, fallback=fallback, clip=clip)
+        torch.testing.assert_close(b, want, rtol=0, atol=1e-12)
+
+
 def test_calibration_recovers_shift_and_is_leave_one_out():
     g = torch.Generator().manual_seed(1)
     p = torch.rand(4000, dtype=D, generator=g) * 0.8 + 0.1
@@ -154,7 +182,8 @@ def test_calibration_recovers_shift_and_is_leave_one_out():
     shift = calibrate_shift(r, p, prior_clip=0.01)
     assert shift.shape == (4000,)
     assert abs(shift.mean().item() - 1.0) < 0.25
-    whole = calibrate_shift(r, p, prior_clip=0.01, leave_one_out=False)
+    assert torch.equal(shift, calibrate(r, p, prior_clip=0.01)[0])  # the package's fit is the reference's
+    whole, _ = calibrate(r, p, prior_clip=0.01, leave_one_out=False)
     assert torch.all(whole == whole[0])
     # row i's shift ignores r_i
     for i in (0, 7):
@@ -167,6 +196,19 @@ def test_calibration_recovers_shift_and_is_leave_one_out():
     assert torch.all(s == 0) and torch.all(a == 1)
     mu = calibrated_values(torch.tensor([0.5, 0.0, 1.0]), shift=1.0)
     assert torch.isfinite(mu).all() and mu[0].item() == pytest.approx(torch.sigmoid(torch.tensor(1.0)).item())
+
+
+@pytest.mark.parametrize("method", ["shift", "affine", "none"])
+def test_basis_calibration_matches_reference(method):
+    """basis_baseline with a prior only and no pooling is the calibrated prior, fitted leave-one-out per row."""
+    g = torch.Generator().manual_seed(15)
+    p = torch.rand(40, dtype=D, generator=g) * 0.8 + 0.1
+    r = torch.bernoulli(torch.sigmoid(torch.logit(p) + 0.7), generator=g)
+    for opts in (dict(), dict(calib_reg=2.0, prior_k=4, shift_grid=(-1.0, 0.0, 0.5, 1.0), scale_grid=(0.5, 2.0))):
+        b = basis_baseline(r, p, use_features=False, calibration=method, pooling="none", **opts)
+        s, a = calibrate(r, p, method=method, reg=opts.get("calib_reg", 0.0), prior_k=opts.get("prior_k"),
+                         shift_grid=opts.get("shift_grid"), scale_grid=opts.get("scale_grid", (0.5, 0.75, 1.0, 1.25, 1.5)))
+        torch.testing.assert_close(b, calibrated_values(p, s, a, prior_k=opts.get("prior_k")), rtol=0, atol=1e-12)
 
 
 def test_smooth_prior():
@@ -225,21 +267,21 @@ def test_baseline_ignores_own_reward_larger_batch():
         assert basis_baseline(r2, p, f)[i].item() == b[i].item()  # bitwise, not just close
 
 
-def test_compute_advantages_basis_groups_leave_one_out():
+def test_compute_basis_groups_leave_one_out():
     g = torch.Generator().manual_seed(3)
     r = torch.bernoulli(torch.full((5, 3), 0.5, dtype=D), generator=g)
     p = torch.tensor([0.0, 0.3, 0.5, 1.0, 0.8], dtype=D)
     f = torch.randn(5, 4, dtype=D, generator=g)
     for prior, feats in ((None, None), (p, None), (None, f), (p, f)):
-        adv, base = compute_advantages("basis", r, prior, feats)
+        adv, base = compute("basis", r, prior, feats)
         assert adv.shape == base.shape == (5, 3)
         torch.testing.assert_close(adv, r - base)
         for i, j in ((0, 0), (2, 1), (4, 2)):
             r2 = r.clone()
             r2[i, j] = 1 - r2[i, j]
-            assert abs(compute_advantages("basis", r2, prior, feats)[1][i, j].item() - base[i, j].item()) <= 1e-6
+            assert abs(compute("basis", r2, prior, feats)[1][i, j].item() - base[i, j].item()) <= 1e-6
     # with no prior and no features, basis over [B, G] is the leave-one-out mean over all B*G rollouts
-    _, base = compute_advantages("basis", r)
+    _, base = compute("basis", r)
     torch.testing.assert_close(base.reshape(-1), leave_one_out_mean(r.reshape(-1)))
 
 
@@ -432,54 +474,56 @@ def test_simulation_features_beat_batch_mean():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# compute_advantages, explained_variance, option errors
+# the registry's one interface, explained_variance, option errors
 # ------------------------------------------------------------------------------------------------------------
 
 
-def test_compute_advantages_names_and_values():
+def test_compute_names_and_values():
     r = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]], dtype=D)
-    adv, base = compute_advantages("reinforce_pp", r)
+    adv, base = compute("reinforce_pp", r)
     torch.testing.assert_close(base, torch.full_like(r, 0.5))
     torch.testing.assert_close(adv, reinforce_pp_advantages(r.reshape(-1)).reshape(2, 4))
-    adv, base = compute_advantages("grpo", r)
+    adv, base = compute("grpo", r)
     torch.testing.assert_close(adv, grpo_advantages(r))
     torch.testing.assert_close(base, group_mean_baseline(r))
-    adv, base = compute_advantages("dr_grpo", r)
+    adv, base = compute("dr_grpo", r)
     torch.testing.assert_close(adv, r - base)
-    adv, base = compute_advantages("rloo", r)
+    adv, base = compute("rloo", r)
     torch.testing.assert_close(base, rloo_baseline(r))
-    adv, _ = compute_advantages("rloo", r, normalize=True)
+    adv, _ = compute("rloo", r, normalize=True)
     assert adv.std().item() == pytest.approx(1.0, abs=1e-4)
-    for name in ESTIMATORS:
-        adv, base = compute_advantages(name, r, torch.tensor([0.5, 0.2]), torch.randn(2, 3))
+    for name in estimator_names():
+        adv, base = compute(name, r, torch.tensor([0.5, 0.2]), torch.randn(2, 3))
         assert adv.shape == base.shape == (2, 4) and torch.isfinite(adv).all()
 
 
-def test_compute_advantages_errors():
+def test_compute_errors():
     r = torch.zeros(4, 2)
     with pytest.raises(ValueError, match=r"'ppo'.*basis, reinforce_pp, grpo, dr_grpo, rloo"):
-        compute_advantages("ppo", r)
+        compute("ppo", r)
     with pytest.raises(ValueError, match=r"\[B, G\].*\(4,\)"):
-        compute_advantages("basis", torch.zeros(4))
+        compute("basis", torch.zeros(4))
     with pytest.raises(ValueError, match=r"\(2, 2, 2\)"):
-        compute_advantages("grpo", torch.zeros(2, 2, 2))
+        compute("grpo", torch.zeros(2, 2, 2))
     with pytest.raises(ValueError, match=r"prior must have shape \[B\] = \[4\].*\(3,\)"):
-        compute_advantages("basis", r, prior=torch.zeros(3))
+        compute("basis", r, prior=torch.zeros(3))
     with pytest.raises(ValueError, match=r"features must have shape \[B, D\] = \[4, D\].*\(5, 3\)"):
-        compute_advantages("basis", r, features=torch.zeros(5, 3))
-    with pytest.raises(ValueError, match="only apply to name='basis'"):
-        compute_advantages("rloo", r, bandwidth=0.3)
+        compute("basis", r, features=torch.zeros(5, 3))
+    with pytest.raises(ConfigError, match=r"estimator\.options: rloo takes no options; got \['bandwidth'\]"):
+        compute("rloo", r, bandwidth=0.3)
+    with pytest.raises(ValueError, match=r"3 prompt ids for rewards of shape \(4, 2\)"):
+        get_estimator("rloo").compute(r, EstimatorContext(prompt_ids=["a", "b", "c"]))
 
 
 def test_basis_option_errors():
     r = torch.zeros(4)
-    with pytest.raises(ValueError, match=r"\['bandwith'\].*accepted options"):
+    with pytest.raises(ConfigError, match=r"estimator\.options\.bandwith: .*accepted options: bandwidth, "):
         basis_baseline(r, bandwith=0.3)
-    with pytest.raises(ValueError, match=r"pooling='blue'.*'additive'"):
+    with pytest.raises(ConfigError, match=r"estimator\.options\.pooling: 'blue' .*none, additive, ratio"):
         basis_baseline(r, pooling="blue")
-    with pytest.raises(ValueError, match=r"calibration='temp'"):
+    with pytest.raises(ConfigError, match=r"estimator\.options\.calibration: 'temp'"):
         basis_baseline(r, calibration="temp")
-    with pytest.raises(ValueError, match=r"bandwidth=-1"):
+    with pytest.raises(ConfigError, match=r"estimator\.options\.bandwidth: -1 .*positive number or 'cv'"):
         basis_baseline(r, bandwidth=-1)
     with pytest.raises(ValueError, match=r"prior must have shape \(4,\)"):
         basis_baseline(r, torch.zeros(3))
@@ -516,3 +560,131 @@ def test_toward_prior_is_the_kernel_mean_of_the_others_shrunk_to_the_prior():
         assert b[i].item() == pytest.approx(want.item(), rel=1e-9, abs=1e-12)
     with pytest.raises(ValueError, match="toward_prior"):
         basis_baseline(r, p, f, bandwidth="cv")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the registry: every name against its formula, the specs, options checked when a config loads
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _formula(name, r, prior, feats):
+    """(advantages, baselines) of each estimator written out from its definition."""
+    B, G = r.shape
+    if name == "reinforce_pp":  # whitening over all B*G rewards; baseline = batch mean
+        m, sd = r.mean(), r.reshape(-1).std() if r.numel() > 1 else torch.tensor(0.0, dtype=r.dtype)
+        return (r - m) / (sd + 1e-6), m.expand(B, G)
+    if name in ("grpo", "dr_grpo"):  # group mean (0 for a group of one); grpo divides by the group std (1 for G = 1)
+        m = r.mean(1, keepdim=True) if G > 1 else torch.zeros(B, 1, dtype=r.dtype)
+        sd = r.std(1, keepdim=True) if G > 1 else torch.ones(B, 1, dtype=r.dtype)
+        return ((r - m) / (sd + 1e-6) if name == "grpo" else r - m), m.expand(B, G)
+    if name == "rloo":  # mean of the other G - 1 rollouts (0 for G = 1)
+        base = (r.sum(1, keepdim=True) - r) / (G - 1) if G > 1 else torch.zeros_like(r)
+        return r - base, base
+    if name == "basis":  # every rollout a row, its prompt's prior and features repeated
+        rows = basis_baseline(r.reshape(-1), None if prior is None else prior.repeat_interleave(G),
+                              None if feats is None else feats.repeat_interleave(G, dim=0))
+        base = rows.reshape(B, G)
+        return r - base, base
+    raise AssertionError(f"no reference formula for the registered estimator {name!r}: add one here")
+
+
+@pytest.mark.parametrize("name", estimator_names())
+def test_registry_compute_matches_the_formulas(name):
+    spec = get_estimator(name)
+    g = torch.Generator().manual_seed(16)
+    for B, G in ((6, 1), (5, 3), (1, 2)):
+        if G < spec.min_rollouts:
+            continue
+        r = torch.bernoulli(torch.full((B, G), 0.5, dtype=D), generator=g)
+        prior, feats = torch.rand(B, dtype=D, generator=g), torch.randn(B, 4, dtype=D, generator=g)
+        for side in ((None, None), (prior, None), (None, feats), (prior, feats)):
+            for normalize in (False, True):
+                adv, base = compute(name, r, *side, normalize=normalize)
+                want_adv, want_base = _formula(name, r, *side)
+                if normalize and name != "reinforce_pp" and want_adv.numel() > 1:  # reinforce_pp is already whitened
+                    want_adv = want_adv / (want_adv.std() + 1e-6)
+                torch.testing.assert_close(base, want_base, rtol=1e-9, atol=1e-12)
+                torch.testing.assert_close(adv, want_adv, rtol=1e-9, atol=1e-9)
+                assert adv.shape == base.shape == (B, G)
+
+
+def test_registry_specs():
+    assert estimator_names() == ("basis", "reinforce_pp", "grpo", "dr_grpo", "rloo")
+    want = {"basis": (1, True, True, True), "reinforce_pp": (1, False, False, False),
+            "grpo": (2, False, False, False), "dr_grpo": (2, False, False, False), "rloo": (2, False, False, False)}
+    for name, (g, feats, prior, hist) in want.items():
+        spec = get_estimator(name)
+        assert (spec.name, spec.min_rollouts, spec.uses_features, spec.uses_prior, spec.uses_history) == \
+            (name, g, feats, prior, hist)
+        assert spec.description
+    # the docs say which baselines include the rollout's own reward
+    for name in ("reinforce_pp", "grpo", "dr_grpo"):
+        assert "includes r_i" in get_estimator(name).description
+    for name in ("basis", "rloo"):
+        assert "never uses r_i" in get_estimator(name).description
+    with pytest.raises(ConfigError, match=r"estimator\.name: 'ppo' .*basis, reinforce_pp, grpo, dr_grpo, rloo"):
+        get_estimator("ppo")
+    with pytest.raises(ValueError, match="already registered"):
+        register(EstimatorSpec("rloo", min_rollouts=2, fn=lambda r, ctx: (r, r)))
+    assert get_estimator("basis").validate_options({"bandwidth": "1e-1"}) == {"bandwidth": 0.1}
+    assert get_estimator("grpo").validate_options({}) == {}
+
+
+def test_a_registered_estimator_is_usable_by_name():
+    """A new estimator needs no change anywhere else: the config accepts its name, compute runs its function."""
+    from basis_lite.estimators import _REGISTRY
+
+    def half(rewards, ctx):
+        base = torch.full_like(rewards, 0.5)
+        return rewards - base, base
+
+    register(EstimatorSpec("test_half", min_rollouts=3, fn=half, description="b = 1/2"))
+    try:
+        cfg = load_config("smoke", ["estimator.name=test_half", "estimator.rollouts_per_prompt=3"])
+        assert cfg.estimator.name == "test_half"
+        with pytest.raises(ConfigError, match=r"rollouts_per_prompt >= 3 \(got 2\); use basis or reinforce_pp or "
+                                              r"grpo or dr_grpo or rloo for 2 rollouts"):
+            load_config("smoke", ["estimator.name=test_half", "estimator.rollouts_per_prompt=2"])
+        r = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]], dtype=D)
+        adv, base = compute("test_half", r)
+        assert torch.equal(base, torch.full((2, 3), 0.5, dtype=D)) and torch.equal(adv, r - 0.5)
+        adv, _ = compute("test_half", r, normalize=True)  # normalize applies to every estimator the same way
+        torch.testing.assert_close(adv, (r - 0.5) / ((r - 0.5).std() + 1e-6))
+    finally:
+        _REGISTRY.pop("test_half")
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["estimator.options={bandwith: 0.3}"], r"estimator\.options\.bandwith: .*accepted options: bandwidth, "),
+    (["estimator.options={bandwidth: -1}"], r"estimator\.options\.bandwidth: -1 is not accepted; expected a positive "
+                                            r"number or 'cv'"),
+    (["estimator.options={pooling: blue}"], r"estimator\.options\.pooling: 'blue' .*none, additive, ratio"),
+    (["estimator.options={tau: 0.7}"], r"estimator\.options\.tau: 0\.7 .*\[0, 0\.5\)"),
+    (["estimator.options={use_prior: maybe}"], r"estimator\.options\.use_prior: 'maybe' .*true or false"),
+    (["estimator.options={shrink_grid: [1, -2]}"], r"estimator\.options\.shrink_grid: -2 .*numbers >= 0"),
+    (["estimator.options={bandwidth: abc}"], r"estimator\.options\.bandwidth: 'abc' .*positive number or 'cv'"),
+    (["estimator.name=reinforce_pp", "estimator.options={bandwidth: 0.3}"],
+     r"estimator\.options: reinforce_pp takes no options; got \['bandwidth'\]"),
+    (["estimator.name=grpo", "estimator.rollouts_per_prompt=4", "estimator.options={shrink: 2}"],
+     r"estimator\.options: grpo takes no options; got \['shrink'\]"),
+])
+def test_config_rejects_bad_estimator_options_at_load(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("smoke", overrides)
+
+
+def test_config_accepts_and_normalises_good_estimator_options():
+    cfg = load_config("smoke", ["estimator.options={bandwidth: cv, shrink: 1e-1, pooling: ratio, combine: residual}"])
+    assert cfg.estimator.options == {"bandwidth": "cv", "shrink": 0.1, "pooling": "ratio", "combine": "residual"}
+    r = torch.bernoulli(torch.full((6, 1), 0.5, dtype=D), generator=torch.Generator().manual_seed(17))
+    compute("basis", r, torch.rand(6, dtype=D), torch.randn(6, 3, dtype=D), **cfg.estimator.options)
+
+
+def test_registry_and_config_load_without_torch():
+    code = ("import sys; from basis_lite.config import load_config; "
+            "from basis_lite.estimators import get_estimator, estimator_names; "
+            "load_config('smoke', ['estimator.options={bandwidth: 0.5}']); "
+            "[get_estimator(n).validate_options({}) for n in estimator_names()]; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -148,14 +148,15 @@ def _cfg(*overrides):
 
 def test_nan_loss_skips_the_step_then_aborts(tmp_path, monkeypatch, caplog):
     import basis_lite.trainer as trainer
+    import basis_lite.update as update
 
-    real = trainer.ppo_clip_loss
+    real = update.ppo_clip_loss
 
     def nan_loss(*args, **kwargs):
         loss, stats = real(*args, **kwargs)
         return loss * float("nan"), stats
 
-    monkeypatch.setattr(trainer, "ppo_clip_loss", nan_loss)
+    monkeypatch.setattr(update, "ppo_clip_loss", nan_loss)
     run = tmp_path / "run"
     cfg = _cfg("train.steps=5", "train.max_bad_steps=2", "train.save_every=1")
     with pytest.raises(trainer.TrainingAborted, match=r"2 non-finite losses in a row at step 2.*lower train\.lr"):

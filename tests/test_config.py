@@ -46,7 +46,7 @@ def test_overrides_are_parsed_as_yaml():
     cfg = load_config("smoke", [
         "train.steps=7", "train.lr=0.5", "model.load_in_4bit=true", "data.levels=[1, 3]",
         "reward.functions=[tests.reward_fns:char_sum_reward]", "data.system_prompt='Be brief: answer.'",
-        "estimator.options={pool: similarity, lam: 2}", "lora.target_modules=[q_proj, v_proj]",
+        "estimator.options={bandwidth: 0.5, shrink: 4}", "lora.target_modules=[q_proj, v_proj]",
         "data.instruction=",
     ])
     assert cfg.train.steps == 7 and isinstance(cfg.train.steps, int)
@@ -54,7 +54,7 @@ def test_overrides_are_parsed_as_yaml():
     assert cfg.data.levels == [1, 3]
     assert cfg.reward.functions == ["tests.reward_fns:char_sum_reward"]
     assert cfg.data.system_prompt == "Be brief: answer."
-    assert cfg.estimator.options == {"pool": "similarity", "lam": 2}
+    assert cfg.estimator.options == {"bandwidth": 0.5, "shrink": 4}
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.data.instruction == ""
     # the last override of a key wins; an int is accepted where a float is expected
@@ -96,6 +96,9 @@ def test_unknown_nested_key_lists_accepted_keys():
     ("reward.functions=[not_a_spec]", ("package.module:function",)),
     ("reward.function_weights=[1.0]", ("function_weights",)),
     ("estimator.name=rloo", ("rollouts_per_prompt",)),
+    # estimator options are checked when the config loads, not at the first step
+    ("estimator.options={pool: similarity, lam: 2}", ("estimator.options.lam", "pool", "accepted options", "bandwidth")),
+    ("estimator.options={bandwidth: -1}", ("estimator.options.bandwidth", "-1", "positive number")),
 ])
 def test_bad_values_name_the_key(override, words):
     with pytest.raises(ConfigError) as e:
@@ -127,3 +130,11 @@ def test_round_trip_keeps_every_override():
     d["train"]["stepz"] = 1
     with pytest.raises(ConfigError, match="train.stepz"):
         from_dict(d)
+
+
+def test_cv_bandwidth_with_a_prior_is_rejected_at_load_not_at_step_1():
+    bad = ["estimator.prior_samples=2", "estimator.options={bandwidth: cv, shrink: cv}"]
+    with pytest.raises(ConfigError, match="combine: residual"):
+        load_config("smoke", bad)
+    load_config("smoke", bad[:1] + ["estimator.options={bandwidth: cv, shrink: cv, combine: residual}"])
+    load_config("smoke", ["estimator.prior_samples=0", "estimator.options={bandwidth: cv, shrink: cv}"])  # no prior

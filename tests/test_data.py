@@ -117,6 +117,49 @@ def test_unknown_dataset_and_split():
         load_examples(cfg(dataset="/nonexistent/file.jsonl"), "train")
 
 
+def test_unknown_task_name_is_an_error_not_another_task(tmp_path):
+    accepted = "arithmetic, algebra, wordproblems (built in), gsm8k, math (hub), hf:owner/name[:config]"
+    for name in ("arithmetics", "Algebra", "word_problems", "gsm8", ""):
+        with pytest.raises(DataError) as ei:
+            load_examples(cfg(dataset=name), "train")
+        msg = str(ei.value)
+        assert f"data.dataset: {name!r} is not accepted" in msg and accepted in msg, msg
+        assert ".jsonl/.json/.csv/.parquet" in msg
+    with pytest.raises(DataError, match="did you mean 'arithmetic'"):
+        load_examples(cfg(dataset="arithmetics"), "train")
+    (tmp_path / "d.txt").write_text("What is 1 + 1?,2\n")
+    with pytest.raises(DataError, match=r"is not a \.jsonl/\.json/\.csv/\.parquet file; choose one of arithmetic"):
+        load_examples(cfg(dataset=str(tmp_path / "d.txt")), "train")
+    with pytest.raises(DataError, match="'nonsense' is not a built-in task; built-in tasks: arithmetic, algebra, "
+                                        "wordproblems"):
+        level_table("nonsense")  # once silently the algebra table
+    # surrounding spaces are ignored for every source: " arithmetic " is the arithmetic task, not another one
+    padded = load_examples(cfg(dataset=" arithmetic ", train_size=20, eval_size=0), "train")
+    plain = load_examples(cfg(dataset="arithmetic", train_size=20, eval_size=0), "train")
+    assert [e.id for e in padded] == [e.id for e in plain] and padded[0].id.startswith("arithmetic/")
+
+
+def test_public_names_are_reexported():
+    import basis_lite.data as data
+    from basis_lite import errors
+    from basis_lite.data import BUILTIN_TASKS, HUB_DATASETS
+    assert data.DataError is errors.DataError
+    assert BUILTIN_TASKS == ("arithmetic", "algebra", "wordproblems") and set(HUB_DATASETS) == {"gsm8k", "math"}
+    for name in data.__all__:
+        assert getattr(data, name) is not None, name
+
+
+@pytest.mark.parametrize("text, style, gold", [
+    ("3 + 4 = 7\n#### 1,007", "gsm8k", "1007"), ("no marker", "gsm8k", None), ("####  ", "gsm8k", None),
+    ("We get $\\boxed{\\frac{1}{2}}$.", "math", "\\frac{1}{2}"), ("\\boxed{ 2 } then \\fbox{ }", "math", "2"),
+    ("\\fbox{x}", "math", "x"), ("no box", "math", None), ("\\boxed{3} #### 5", "math", "3"),
+    ("\\boxed{3} #### 5", "any", "5"), ("$\\boxed{4}$", "any", "4"), ("\\boxed{}", "any", "\\boxed{}"), ("42", "any", "42"),
+])
+def test_gold_answer_styles(text, style, gold):
+    from basis_lite.data import gold_answer
+    assert gold_answer(text, style) == gold
+
+
 # -- local files --------------------------------------------------------------------------------------------------
 
 def _rows(n):
@@ -284,8 +327,8 @@ def test_hub_offline_is_a_helpful_data_error(monkeypatch, tmp_path, name):
 
 def test_unreachable_hub_fails_fast_without_offline_env(monkeypatch, tmp_path):
     datasets = pytest.importorskip("datasets")
-    import basis_lite.data as data
-    monkeypatch.setattr(data, "_hub_reachable", lambda timeout_s=3.0: False)
+    import basis_lite.data.loading as loading
+    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout_s=3.0: False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")
     import huggingface_hub.constants as hc
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
@@ -307,8 +350,8 @@ def test_gsm8k_rows_through_a_stubbed_hub(monkeypatch):
         return datasets.Dataset.from_list(rows)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    import basis_lite.data as data
-    monkeypatch.setattr(data, "_hub_reachable", lambda timeout_s=3.0: True)
+    import basis_lite.data.loading as loading
+    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout_s=3.0: True)
     tr = load_examples(cfg(dataset="gsm8k", train_size=20, eval_size=5), "train")
     ev = load_examples(cfg(dataset="gsm8k", train_size=20, eval_size=5), "eval")
     assert calls[0] == ("openai/gsm8k", "main", "train") and calls[1][2] == "test"

@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from conftest import SMALL, train_smoke  # noqa: E402
 
 import cli  # noqa: E402
 
@@ -21,16 +22,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def run(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("BASIS_LITE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model on a shared 2-core machine: one thread is faster and kinder
-    run = tmp_path_factory.mktemp("evalplot") / "run"
-    rc = cli.main(["train", "--preset", "smoke", "--output", str(run), "--no-progress",
-                   "--set", "train.steps=2", "--set", "train.eval_every=1", "--set", "estimator.prior_samples=0",
-                   "--set", "data.train_size=16", "--set", "data.eval_size=4", "--set", "train.threads=1",
-                   "--set", "reward.timeout_s=0", "--set", "generation.max_new_tokens=8"])
-    assert rc == 0
+    run = train_smoke(tmp_path_factory.mktemp("evalplot") / "run", *SMALL, "train.steps=2", "train.eval_every=1",
+                      one_thread=True)
     yield run
-    torch.set_num_threads(threads)
     mp.undo()
 
 

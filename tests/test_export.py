@@ -20,6 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from conftest import SMALL, train_smoke  # noqa: E402
+
 import cli  # noqa: E402
 from basis_lite import export as export_mod  # noqa: E402
 
@@ -28,19 +30,11 @@ from basis_lite import export as export_mod  # noqa: E402
 def env(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("BASIS_LITE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model on a shared 2-core machine: one thread is faster and kinder
-    run = tmp_path_factory.mktemp("export") / "run"
-    rc = cli.main(["train", "--preset", "smoke", "--output", str(run), "--no-progress",
-                   "--set", "train.steps=1", "--set", "estimator.prior_samples=0",
-                   "--set", "data.train_size=16", "--set", "data.eval_size=4", "--set", "train.threads=1",
-                   "--set", "reward.timeout_s=0", "--set", "generation.max_new_tokens=8"])
-    assert rc == 0
+    run = train_smoke(tmp_path_factory.mktemp("export") / "run", *SMALL, "train.steps=1", one_thread=True)
     _perturb_lora_b(run / "adapter" / "adapter_model.safetensors")
     from basis_lite.models import resolve_model_path
 
     yield {"run": run, "base_path": resolve_model_path("builtin:tiny-random")}
-    torch.set_num_threads(threads)
     mp.undo()
 
 

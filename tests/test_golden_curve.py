@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import VARIED, adapter_weights, cli_main, sets, step_records
+from conftest import VARIED, adapter_weights, step_records, train_smoke
 
 FIELDS = ("reward_mean", "baseline_mean", "advantage_std", "loss", "grad_norm")
 
@@ -40,9 +40,7 @@ RTOL = 1e-4
 
 
 def _curve(tmp_path, name):
-    run = tmp_path / name
-    rc = cli_main("train", "--preset", "smoke", "--output", str(run), "--no-progress", *sets(VARIED + EXTRA[name]))
-    assert rc == 0
+    run = train_smoke(tmp_path / name, *VARIED, *EXTRA[name])
     steps = [tuple(r[k] for k in FIELDS) for r in step_records(run)]
     w = adapter_weights(run / "adapter")
     b_sum = sum(float(v.abs().sum()) for k, v in w.items() if "lora_B" in k)  # B starts at 0: all of it is learned

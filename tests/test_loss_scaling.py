@@ -12,7 +12,7 @@ import torch
 from basis_lite.config import load_config
 from basis_lite.engines.base import Rollout
 from basis_lite.models import load_policy
-from basis_lite.trainer import make_optimizer, policy_update
+from basis_lite.update import make_optimizer, policy_update
 
 
 def _setup():

@@ -140,6 +140,21 @@ def test_known_shapes_and_local_config(tmp_path):
     assert src.startswith("config.json in") and local.hidden == 64 and local.layers == 2
 
 
+def test_plan_cache_root_matches_models(tmp_path, monkeypatch):
+    """plan.py keeps a torch-free copy of models.cache_root (to read the built-in model's config.json): the same
+    folder for every way of setting it."""
+    from basis_lite.models import cache_root
+    from basis_lite.plan import _cache_root
+
+    for env in ({"BASIS_LITE_CACHE": str(tmp_path / "a")}, {"XDG_CACHE_HOME": str(tmp_path / "xdg")}, {}):
+        for key in ("BASIS_LITE_CACHE", "XDG_CACHE_HOME"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        for cache_dir in ("", str(tmp_path / "given")):
+            assert _cache_root(cache_dir) == cache_root(cache_dir), (env, cache_dir)
+
+
 def test_4bit_weight_estimate_matches_bitsandbytes(tmp_path):
     """The 'base weights' part against what bitsandbytes NF4 (double quant) really stores, on a CPU load."""
     pytest.importorskip("bitsandbytes")

@@ -9,14 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import STEP_FIELDS, VARIED, adapter_weights, cli_main, read_lines, sets, step_records
+from conftest import STEP_FIELDS, VARIED, adapter_weights, cli_main, read_lines, step_records, train_smoke
 
 
-def _train(tmp_path, name, overrides, *extra) -> Path:
-    run = tmp_path / name
-    rc = cli_main("train", "--preset", "smoke", *sets(overrides), "--output", str(run), "--no-progress", *extra)
-    assert rc == 0
-    return run
+def _train(tmp_path, name, overrides) -> Path:
+    return train_smoke(tmp_path / name, *overrides)
 
 
 # ---------------------------------------------------------------------------------------------------------------

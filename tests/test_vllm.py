@@ -71,7 +71,8 @@ def _until_stop(ids, stops):
 
 @pytest.fixture(scope="module")
 def policy():
-    from basis_lite.trainer import build_policy, make_optimizer, seed_everything
+    from basis_lite.runtime import build_policy, seed_everything
+    from basis_lite.update import make_optimizer
 
     old = tempfile.tempdir
     tempfile.tempdir = _TMP  # vLLM's IPC sockets and our adapter folders
@@ -95,7 +96,7 @@ def _greedy_both(cfg, model, tok, engine, prompts):
 
 def test_vllm_engine_matches_hf_after_a_training_step(policy):
     from basis_lite.engines.vllm import PlainVLLMEngine
-    from basis_lite.trainer import policy_update
+    from basis_lite.update import policy_update
 
     cfg, model, tok, engine, opt = policy
     assert isinstance(engine, PlainVLLMEngine)

@@ -1,14 +1,17 @@
-"""The small protocol every rollout engine implements.
+"""The protocol every rollout engine satisfies (`Engine`), and what it returns (`Rollout`).
 
     engine.sync(model)                                   push the current adapter (a no-op where the engine IS the model)
     engine.generate(prompts, params) -> list[Rollout]    n samples per prompt, prompt-major order
 
-A Rollout carries token ids (the trainer re-scores them with the training model, so an engine's own log-probs are
-optional) and, where the engine can give it for free, a prompt feature vector for BASIS similarity pooling.
+A Rollout carries token ids (the trainer re-scores them with the training model; engines do not return their own
+log-probs yet) and, where the engine can give it for free, a prompt feature vector for BASIS similarity pooling.
+Implementations: `engines.hf.HFEngine` (the training model's generate) and `engines.vllm` (Unsloth's in-process
+vLLM, or plain vLLM with the adapter sent as a LoRARequest).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -30,6 +33,17 @@ class Rollout:
     text: str  # decoded completion without special tokens
     finished: bool  # stopped at EOS (False: cut at max_new_tokens)
     feature: torch.Tensor | None = field(default=None, repr=False)  # [D] prompt feature (BASIS similarity)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+
+    def sync(self, model=None) -> None:
+        """Make the next generate() use the model's current adapter weights."""
+
+    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True) -> list[Rollout]:
+        """params.n completions per prompt, prompt-major; Rollout.feature set when with_features and available."""
 
 
 def params_from_config(gen_cfg, n: int = 1, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:

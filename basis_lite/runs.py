@@ -1,16 +1,21 @@
-"""`basis-lite eval`: greedy pass@1 (and sampled pass@1 / pass@K) of a run's adapter, or of its base model.
+"""A saved run on disk: what a path points at, the run's config (for eval, export and resume), and its evaluation.
 
-    basis-lite eval RUN_DIR_OR_ADAPTER [--dataset NAME_OR_FILE] [--samples K] [--limit N] [--base]
-                    [--set key=value ...] [--out FILE]
+    target = resolve_target(path)              a run folder, a checkpoint folder (checkpoints/step-N) or an adapter
+    cfg = load_run_config(target, overrides, dataset)
+    cfg = resume_config(run_dir, overrides)    the fixed config of a run to continue (`basis-lite train --resume`)
+    result = evaluate_run(path, dataset=None, samples=0, limit=0, base=False, overrides=(), out=None)
 
-The target is a run folder (its final `adapter/`, or the newest complete checkpoint when the run has not finished),
-a checkpoint folder (`checkpoints/step-N`), or an adapter folder (with `basis_lite_config.yaml` inside, or a
-`config.yaml` next to it). The run's own config decides the model, the held-out split and the generation length;
-`--dataset` and `--set` change it for this evaluation only.
+`resolve_target` takes a run folder (its final `adapter/`, or the newest complete checkpoint when the run has not
+finished), a checkpoint folder, or an adapter folder (with `basis_lite_config.yaml` inside, or a `config.yaml` next
+to it). The run's own config decides the model, the held-out split and the generation length; `dataset` and
+`overrides` change it for one evaluation only.
 
-`--base` evaluates the same loaded model with the adapter disabled (`model.disable_adapter()`), so a before/after
-comparison runs on exactly the same weights, prompts and settings. Results go to RUN_DIR/eval.json
-(RUN_DIR/eval_base.json with --base) unless `--out` says otherwise.
+`evaluate_run` gives greedy pass@1 (and with `samples` = K > 0 sampled pass@1 and pass@K), generating with the
+loaded transformers model (generation.engine=hf, model.backend=hf unless `overrides` say otherwise). With
+`base=True` it evaluates the same loaded model with the adapter disabled (`model.disable_adapter()`), so a
+before/after comparison runs on exactly the same weights, prompts and settings. Results go to RUN_DIR/eval.json
+(RUN_DIR/eval_base.json with `base`) unless `out` says otherwise; `format_eval_table` renders them. Nothing here
+prints but the progress bar; importing this module does not import torch.
 """
 from __future__ import annotations
 
@@ -19,10 +24,12 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, ConfigError, load_config, load_config_file, to_dict
+from .config import Config, load_config, load_config_file, to_dict
+from .errors import ConfigError
 
 log = logging.getLogger("basis_lite")
 
@@ -31,7 +38,7 @@ ADAPTER_RUN_CONFIG = "basis_lite_config.yaml"
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# finding the adapter and its config (shared with `basis-lite export`)
+# finding the adapter and its config
 
 
 @dataclass
@@ -78,93 +85,100 @@ def resolve_target(path: str | Path) -> Target:
     raise ConfigError(f"{p}: not a basis-lite run folder (no config.yaml) nor an adapter folder (no {ADAPTER_CONFIG})")
 
 
-def load_run_config(target: Target, overrides: list[str] | None = None, dataset: str | None = None) -> Config:
-    """The run's config with `--dataset` and `--set key=value` applied, validated."""
+def load_run_config(target: Target, overrides: Sequence[str] = (), dataset: str | None = None) -> Config:
+    """The run's config with `dataset` and `key=value` overrides applied, validated."""
     cfg = load_config_file(target.config_path)
     if dataset is not None or overrides:
         d = to_dict(cfg)
         if dataset is not None:
             d["data"]["dataset"] = str(dataset)
-        cfg = load_config(data=d, overrides=overrides or [])
+        cfg = load_config(data=d, overrides=list(overrides))
+    return cfg
+
+
+def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """The config a run to be resumed was started with; ConfigError when it is not a run or overrides are given."""
+    cfg_path = Path(run_dir) / "config.yaml"
+    if not cfg_path.exists():
+        raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a basis-lite run folder?")
+    cfg = load_config_file(cfg_path)
+    if overrides:
+        raise ConfigError("--set cannot change a resumed run (its config is fixed); start a new run instead")
     return cfg
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the command
+# evaluation
 
 
-def run_eval_command(args) -> int:
-    import torch
+def evaluate_run(target: str | Path, dataset: str | None = None, samples: int = 0, limit: int = 0,
+                 base: bool = False, overrides: Sequence[str] = (), out: str | Path | None = None) -> dict:
+    """Evaluate a run's adapter (or with `base`, its base model) on the held-out split and write the JSON.
 
+    Returns the result as written to the JSON file, plus "out": the file's path.
+    """
     from .data import load_examples
     from .evaluate import evaluate
-    from .models import load_policy, resolve_device, resolve_dtype
-    from .trainer import make_engine, seed_everything
+    from .runtime import build_policy, seed_everything, setup_device
 
-    target = resolve_target(args.target)
-    if args.samples < 0:
-        raise ConfigError(f"--samples: expected K >= 0, got {args.samples}")
-    if args.limit < 0:
-        raise ConfigError(f"--limit: expected N >= 0, got {args.limit}")
-    # the run's rollout engine setting is for training; eval generates with the loaded model itself unless a
-    # --set says otherwise (the base comparison needs it: disable_adapter() only acts on this model)
-    overrides = ["generation.engine=hf", "model.gradient_checkpointing=false", *(args.overrides or [])]
-    cfg = load_run_config(target, overrides, args.dataset)
-    if args.base and cfg.generation.engine != "hf":
+    tgt = resolve_target(target)
+    if samples < 0:
+        raise ConfigError(f"--samples: expected K >= 0, got {samples}")
+    if limit < 0:
+        raise ConfigError(f"--limit: expected N >= 0, got {limit}")
+    # the run's rollout engine and backend are for training; eval generates with the loaded hf model itself unless
+    # an override says otherwise (the base comparison needs it: disable_adapter() only acts on this model)
+    cfg = load_run_config(tgt, ["generation.engine=hf", "model.backend=hf", "model.gradient_checkpointing=false",
+                                *overrides], dataset)
+    if base and cfg.generation.engine != "hf":
         raise ConfigError("--base needs generation.engine=hf (the adapter is disabled on the loaded model, which "
                           "a separate vLLM engine would not see)")
-    if target.adapter is None and not args.base:
-        raise ConfigError(f"{target.path}: the run has no adapter yet (no adapter/ and no complete checkpoint); "
+    if tgt.adapter is None and not base:
+        raise ConfigError(f"{tgt.path}: the run has no adapter yet (no adapter/ and no complete checkpoint); "
                           f"pass --base to evaluate the base model")
-    out_path = Path(args.out) if args.out else target.run_dir / ("eval_base.json" if args.base else "eval.json")
+    out_path = Path(out) if out else tgt.run_dir / ("eval_base.json" if base else "eval.json")
 
     examples = load_examples(cfg.data, "eval")  # a bad dataset fails before the model loads
-    if args.limit:
-        examples = examples[:args.limit]
+    if limit:
+        examples = examples[:limit]
     if not examples:
         raise ConfigError(f"data: the eval split of {cfg.data.dataset!r} is empty (data.eval_size="
                           f"{cfg.data.eval_size}); nothing to evaluate")
 
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
+    device, dtype = setup_device(cfg)
     t0 = time.time()
-    model, tok = load_policy(cfg, device, dtype, adapter_path=str(target.adapter) if target.adapter else None)
-    engine = make_engine(cfg, model, tok)
+    model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(tgt.adapter) if tgt.adapter else None)
     seed_everything(cfg.train.seed)
     temperature = cfg.generation.temperature if cfg.generation.temperature > 0 else 1.0
-    ctx = model.disable_adapter() if args.base else contextlib.nullcontext()
-    what = "base model (adapter disabled)" if args.base else f"adapter {target.adapter}"
-    with ctx:
+    with model.disable_adapter() if base else contextlib.nullcontext():
         res = evaluate(engine, tok, examples, cfg.data, max_new_tokens=cfg.train.eval_max_new_tokens,
-                       require_boxed=cfg.reward.require_boxed, samples=args.samples, temperature=temperature,
+                       require_boxed=cfg.reward.require_boxed, samples=samples, temperature=temperature,
                        top_p=cfg.generation.top_p, batch_size=cfg.train.eval_batch_size,
-                       progress=True, desc="eval (base)" if args.base else "eval")
+                       progress=True, desc="eval (base)" if base else "eval")
     result = {
         **res,
-        "target": str(target.path),
-        "adapter": None if args.base or target.adapter is None else str(target.adapter),
-        "base": bool(args.base),
+        "target": str(tgt.path),
+        "adapter": None if base or tgt.adapter is None else str(tgt.adapter),
+        "base": bool(base),
         "model": cfg.model.name,
         "dataset": cfg.data.dataset,
         "split": "eval",
-        "limit": args.limit,
-        "samples": args.samples,
-        "sample_temperature": temperature if args.samples else None,
+        "limit": limit,
+        "samples": samples,
+        "sample_temperature": temperature if samples else None,
         "max_new_tokens": cfg.train.eval_max_new_tokens,
         "seconds": round(time.time() - t0, 2),
     }
-    print(format_table(result, what))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp")
     tmp.write_text(json.dumps(result, indent=2, default=float) + "\n")
     tmp.replace(out_path)
-    print(f"results written to {out_path}")
     del model, engine
     if device.type == "cuda":
+        import torch
+
         torch.cuda.empty_cache()
-    return 0
+    return {**result, "out": str(out_path)}
 
 
 def _fmt(x) -> str:
@@ -173,8 +187,10 @@ def _fmt(x) -> str:
     return f"{x:.3f}"
 
 
-def format_table(res: dict, what: str) -> str:
-    """Overall and per-level rows: greedy pass@1, sampled pass@1 and pass@K (overall only), n."""
+def format_eval_table(res: dict) -> str:
+    """An `evaluate_run` result as a table: overall and per-level greedy pass@1, sampled pass@1 and pass@K
+    (overall only), n."""
+    what = "base model (adapter disabled)" if res.get("base") else f"adapter {res.get('adapter')}"
     k = res.get("k")
     head = f"{'':<10} {'greedy pass@1':>14}"
     if k:

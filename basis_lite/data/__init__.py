@@ -1,0 +1,27 @@
+"""Data: where training and eval questions come from, how they become prompts, and in which order they are drawn.
+
+``load_examples(cfg.data, "train" | "eval") -> list[Example]`` reads ``data.dataset``: a built-in generated task
+(``arithmetic``, ``algebra``, ``wordproblems``), a hub dataset (``gsm8k``, ``math``, ``hf:owner/name[:config]``) or a
+local ``.jsonl/.json/.csv/.parquet`` file; any other value is a DataError that lists what is accepted.
+
+    tasks.py     the built-in tasks: problem families, difficulty levels, the seeded draw, disjoint splits
+    loading.py   local files and the hub, bad-row accounting, gold-answer extraction, ``load_examples``
+    prompts.py   ``format_prompt``: the chat template, with the system prompt handled per template
+    sampler.py   ``PromptSampler``: endless seeded batches, resumable from a checkpoint
+    example.py   ``Example``, the record all of them share
+
+The names below are the public API; import them from ``basis_lite.data``.
+"""
+from __future__ import annotations
+
+from ..errors import DataError
+from .example import Example
+from .loading import GOLD_STYLES, HUB_DATASETS, LOCAL_SUFFIXES, SPLITS, gold_answer, load_examples
+from .prompts import format_prompt
+from .sampler import PromptSampler
+from .tasks import BUILTIN_TASKS, level_table
+
+__all__ = [
+    "BUILTIN_TASKS", "GOLD_STYLES", "HUB_DATASETS", "LOCAL_SUFFIXES", "SPLITS", "DataError", "Example",
+    "PromptSampler", "format_prompt", "gold_answer", "level_table", "load_examples",
+]

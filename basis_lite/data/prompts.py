@@ -1,0 +1,84 @@
+"""Prompt formatting: ``format_prompt(tokenizer, question, cfg.data)`` turns a question into the prompt text.
+
+The tokenizer's chat template is rendered with a generation prompt; what a template does with system messages
+(whether it accepts them, and which default system prompt it inserts by itself) is probed once per template with
+sentinel messages and cached, so that ``data.system_prompt: ""`` really means no system text. A tokenizer
+without a chat template gets "Question: ...\\nAnswer:".
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+_CHATML_SYSTEM = "<|im_start|>system\n{}<|im_end|>\n"
+_SENT_SYS, _SENT_USER = "BASISLITE-SYSTEM-SENTINEL", "BASISLITE-USER-SENTINEL"
+
+
+@dataclass(frozen=True)
+class _TemplateInfo:
+    supports_system: bool
+    default_system: str | None  # the text the template inserts when no system message is given
+    strip_block: str | None  # the rendered default system turn, removed from prompts (ChatML templates)
+
+
+_template_cache: dict[tuple, _TemplateInfo] = {}
+
+
+def _render(tokenizer, messages: list[dict]) -> str:
+    out = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return out if isinstance(out, str) else str(out)
+
+
+def _template_info(tokenizer) -> _TemplateInfo:
+    key = (tokenizer.chat_template, getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None))
+    if key in _template_cache:
+        return _template_cache[key]
+    r0 = _render(tokenizer, [{"role": "user", "content": _SENT_USER}])
+    try:
+        rs = _render(tokenizer, [{"role": "system", "content": _SENT_SYS}, {"role": "user", "content": _SENT_USER}])
+        supports = _SENT_SYS in rs
+    except Exception:
+        supports, rs = False, ""
+    default = strip = None
+    if supports:
+        pre, post = rs.split(_SENT_SYS, 1)
+        if r0.startswith(pre) and r0.endswith(post) and len(r0) > len(pre) + len(post):
+            default = r0[len(pre):len(r0) - len(post)]
+            block = _CHATML_SYSTEM.format(default)
+            if block in r0 and _SENT_USER in r0.replace(block, "", 1):
+                strip = block
+            else:
+                log.warning("the chat template inserts a default system prompt (%r) and is not ChatML; an empty "
+                            "system message is passed instead", default[:80])
+    info = _TemplateInfo(supports, default, strip)
+    _template_cache[key] = info
+    return info
+
+
+def format_prompt(tokenizer, question: str, cfg) -> str:
+    """The prompt text for one question: the tokenizer's chat template with a generation prompt.
+
+    The user message is the question plus data.instruction; data.system_prompt becomes a system message only when
+    non-empty. With an empty system prompt no system text appears at all: a default system prompt that the
+    template inserts by itself (SmolLM2, Qwen2.5) is removed for ChatML templates (or replaced by an empty system
+    message for others). A template that rejects the system role gets the system prompt prepended to the user
+    message. Without a chat template: "Question: ...\\nAnswer:"."""
+    instruction = (cfg.instruction or "").strip()
+    content = question.strip() + (" " + instruction if instruction else "")
+    system = (cfg.system_prompt or "").strip()
+    if not getattr(tokenizer, "chat_template", None):
+        head = f"{system}\n\n" if system else ""
+        return f"{head}Question: {content}\nAnswer:"
+    info = _template_info(tokenizer)
+    user = {"role": "user", "content": content}
+    if system:
+        if info.supports_system:
+            return _render(tokenizer, [{"role": "system", "content": system}, user])
+        return _render(tokenizer, [{"role": "user", "content": f"{system}\n\n{content}"}])
+    if info.default_system is None:
+        return _render(tokenizer, [user])
+    if info.strip_block is not None:
+        return _render(tokenizer, [user]).replace(info.strip_block, "", 1)
+    return _render(tokenizer, [{"role": "system", "content": ""}, user])

@@ -1,0 +1,84 @@
+"""``PromptSampler``: endless, resumable batches of training examples in a seeded order.
+
+Its ``state_dict()`` (epoch, position, seed, batch size, example count and a fingerprint of the example ids) is
+the data position that checkpoints store; ``load_state_dict`` reads it back on resume.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from typing import Iterator, Sequence
+
+from .example import Example
+
+log = logging.getLogger(__name__)
+
+
+class PromptSampler:
+    """Endless batches of examples: each epoch is a fresh permutation seeded with seed + epoch, and a batch that
+    runs past the end of an epoch continues into the next one (every batch is full).
+
+    ``state_dict()`` / ``load_state_dict()`` carry (epoch, position), so a resumed run continues with exactly the
+    prompts the interrupted run would have drawn next."""
+
+    def __init__(self, examples: Sequence[Example], batch_size: int, seed: int = 0):
+        if not examples:
+            raise ValueError("PromptSampler: no examples to sample from")
+        if batch_size <= 0:
+            raise ValueError(f"PromptSampler: batch_size must be > 0, got {batch_size}")
+        self.examples = list(examples)
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch: int | None = None
+        self._order: list[int] = []
+
+    def _order_for(self, epoch: int) -> list[int]:
+        if self._order_epoch != epoch:
+            order = list(range(len(self.examples)))
+            random.Random(self.seed + epoch).shuffle(order)
+            self._order, self._order_epoch = order, epoch
+        return self._order
+
+    def __iter__(self) -> Iterator[list[Example]]:
+        return self
+
+    def __next__(self) -> list[Example]:
+        n = len(self.examples)
+        batch: list[Example] = []
+        while len(batch) < self.batch_size:
+            order = self._order_for(self.epoch)
+            take = min(self.batch_size - len(batch), n - self.position)
+            batch.extend(self.examples[i] for i in order[self.position:self.position + take])
+            self.position += take
+            if self.position >= n:
+                self.epoch, self.position = self.epoch + 1, 0
+        return batch
+
+    def _fingerprint(self) -> str:
+        h = hashlib.sha1()
+        for ex in self.examples:
+            h.update(ex.id.encode("utf-8", "surrogatepass") + b"\0")
+        return h.hexdigest()[:16]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size,
+                "num_examples": len(self.examples), "fingerprint": self._fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        n = state.get("num_examples", len(self.examples))
+        if n != len(self.examples):
+            raise ValueError(f"PromptSampler: the checkpoint was taken over {n} examples, this run has "
+                             f"{len(self.examples)}; resume with the same data settings")
+        if state.get("fingerprint") not in (None, self._fingerprint()):
+            log.warning("PromptSampler: the examples differ from the checkpoint's (same count, other ids); the "
+                        "resumed prompt order will not match the interrupted run")
+        if state.get("seed", self.seed) != self.seed:
+            log.warning("PromptSampler: checkpoint seed %s differs from this run's %s; using the checkpoint's",
+                        state.get("seed"), self.seed)
+            self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order_epoch = None

@@ -1,0 +1,180 @@
+"""Advantage estimators, registered by name behind one interface. Imports no torch.
+
+Every estimator is a function with one signature,
+
+    fn(rewards: Tensor [B, G], ctx: EstimatorContext) -> (advantages [B, G], baselines [B, G])
+
+(B prompts x G rollouts each), registered with an ``EstimatorSpec`` that says how many rollouts per prompt it needs,
+which side information it can use (prompt features, an offline prior, the per-prompt history) and which options it
+takes. The trainer looks the spec up by ``estimator.name`` and calls ``spec.compute(rewards, ctx)``; it never
+branches on the name. The functions live in torch modules (simple.py, basis.py) imported on the first ``compute``,
+so this package, the registry and the option checks load without torch (config validation uses them).
+
+Registered here:
+
+- ``basis`` (G >= 1, made for G = 1): BASIS, each prompt's baseline from the OTHER prompts of the batch, optionally
+  helped by an offline prior and the similarity of the prompts' hidden states; b_i never uses r_i (basis.py).
+- ``reinforce_pp`` (G >= 1): whitening over the whole batch; its baseline, the batch mean, includes r_i.
+- ``grpo`` (G >= 2): (r - group mean) / group std; the group mean includes r_i.
+- ``dr_grpo`` (G >= 2): r - group mean; the group mean includes r_i.
+- ``rloo`` (G >= 2): r - mean of the other G - 1 rollouts of the prompt; b_i never uses r_i.
+
+``explained_variance`` lives in ``basis_lite.estimators.base`` (torch); ``basis_lite.estimators.explained_variance``
+imports it on first access.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import ConfigError
+from . import basis_options
+
+__all__ = ["EstimatorContext", "EstimatorSpec", "register", "get_estimator", "estimator_names"]
+
+
+@dataclass
+class EstimatorContext:
+    """What an estimator may use besides the rewards; typed loosely so that this module needs no torch.
+
+    prompt_ids: the ids of the B prompts (row order of the rewards).
+    prior: [B] prior success probabilities (the offline prior, with the run's history folded in by
+        ``priors.prior_values``), or None.
+    features: [B, D] prompt features (the policy's hidden state of each prompt), or None.
+    history: {prompt id: [successes, trials]} from earlier steps, read-only; never holds the current rewards.
+    trajectory_features: room for per-rollout features [B, G, D']; no registered estimator uses them yet.
+    options: the estimator's options, checked by ``EstimatorSpec.validate_options``.
+    normalize: divide the advantages by their batch std (+eps) after the estimator ran (see ``EstimatorSpec``).
+    """
+
+    prompt_ids: list
+    prior: Any = None
+    features: Any = None
+    history: dict | None = None
+    trajectory_features: Any = None
+    options: dict = field(default_factory=dict)
+    normalize: bool = False
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """One registered estimator: its name, what it needs and uses, and where its function is.
+
+    fn: the function, or "module:function" imported on the first ``compute`` (so registering needs no torch).
+    check_options: options -> options, raising ConfigError that names ``estimator.options.<key>`` (torch-free);
+        None means the estimator takes no options.
+    whitened: the advantages come out already divided by the batch std, so ``ctx.normalize`` leaves them as they are.
+    """
+
+    name: str
+    min_rollouts: int
+    uses_features: bool = False
+    uses_prior: bool = False
+    uses_history: bool = False
+    description: str = ""
+    fn: str | Callable = ""
+    check_options: Callable[[dict], dict] | None = None
+    whitened: bool = False
+
+    def validate_options(self, options: dict | None) -> dict:
+        """The options checked (a copy); ConfigError naming the bad key and what is accepted."""
+        if options is None:
+            options = {}
+        if not isinstance(options, dict):
+            raise ConfigError(f"estimator.options: expected a mapping, got {options!r}")
+        if self.check_options is None:
+            if options:
+                raise ConfigError(f"estimator.options: {self.name} takes no options; "
+                                  f"got {sorted(str(k) for k in options)}")
+            return {}
+        return self.check_options(options)
+
+    def function(self) -> Callable:
+        """The estimator function, imported on first use."""
+        if callable(self.fn):
+            return self.fn
+        module, _, attr = self.fn.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def compute(self, rewards, ctx: EstimatorContext) -> tuple:
+        """(advantages [B, G], baselines [B, G]) for rewards [B, G] (B prompts x G rollouts).
+
+        Checks the rewards' shape, ``ctx.prompt_ids`` and the options, runs the estimator, then, with
+        ``ctx.normalize``, divides the advantages by their batch std (+eps) unless the estimator already whitens
+        them; the baselines are returned unscaled. That std uses every reward: it rescales the batch, it does not
+        shift any advantage.
+        """
+        from .base import normalize_advantages, rewards_2d  # torch, only now
+
+        r = rewards_2d(rewards, f"estimator {self.name!r}")
+        if ctx.prompt_ids is not None and len(ctx.prompt_ids) != r.shape[0]:
+            raise ValueError(f"estimator {self.name!r}: {len(ctx.prompt_ids)} prompt ids for rewards of shape "
+                             f"{tuple(r.shape)} (one id per row)")
+        self.validate_options(ctx.options)
+        adv, base = self.function()(r, ctx)
+        if ctx.normalize and not self.whitened:
+            adv = normalize_advantages(adv)
+        return adv, base
+
+
+_REGISTRY: dict[str, EstimatorSpec] = {}
+
+
+def register(spec: EstimatorSpec) -> EstimatorSpec:
+    """Add an estimator under ``spec.name``; a name can be registered once."""
+    if not isinstance(spec, EstimatorSpec):
+        raise TypeError(f"register() takes an EstimatorSpec, got {type(spec).__name__}")
+    if not spec.name or spec.name in _REGISTRY:
+        raise ValueError(f"estimator name {spec.name!r} is empty or already registered")
+    if not (callable(spec.fn) or (isinstance(spec.fn, str) and ":" in spec.fn)):
+        raise ValueError(f"estimator {spec.name!r}: fn must be the function or 'module:function', got {spec.fn!r}")
+    if not isinstance(spec.min_rollouts, int) or spec.min_rollouts < 1:
+        raise ValueError(f"estimator {spec.name!r}: min_rollouts must be an integer >= 1, got {spec.min_rollouts!r}")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def get_estimator(name: str) -> EstimatorSpec:
+    """The spec registered under ``name``; ConfigError naming the bad name and the registered ones."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"estimator.name: {name!r} is not a registered estimator; choose one of "
+                          f"{', '.join(_REGISTRY)}") from None
+
+
+def estimator_names() -> tuple:
+    """The registered names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def __getattr__(name: str):
+    if name == "explained_variance":
+        from .base import explained_variance
+
+        return explained_variance
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+register(EstimatorSpec(
+    "basis", min_rollouts=1, uses_features=True, uses_prior=True, uses_history=True,
+    description="BASIS: each prompt's baseline from the other prompts of the batch (kernel-weighted by prompt "
+                "similarity, shrunk toward a calibrated prior); b_i never uses r_i",
+    fn="basis_lite.estimators.basis:basis", check_options=basis_options.validate_options))
+register(EstimatorSpec(
+    "reinforce_pp", min_rollouts=1,
+    description="REINFORCE++: whitening over the whole batch; the baseline (batch mean) includes r_i",
+    fn="basis_lite.estimators.simple:reinforce_pp", whitened=True))
+register(EstimatorSpec(
+    "grpo", min_rollouts=2,
+    description="GRPO: (r - group mean) / group std; the group mean includes r_i",
+    fn="basis_lite.estimators.simple:grpo"))
+register(EstimatorSpec(
+    "dr_grpo", min_rollouts=2,
+    description="Dr. GRPO: r - group mean (no std division); the group mean includes r_i",
+    fn="basis_lite.estimators.simple:dr_grpo"))
+register(EstimatorSpec(
+    "rloo", min_rollouts=2,
+    description="RLOO: r - mean of the other G - 1 rollouts of the prompt; b_i never uses r_i",
+    fn="basis_lite.estimators.simple:rloo"))

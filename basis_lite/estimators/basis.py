@@ -1,0 +1,283 @@
+"""BASIS: one rollout per prompt, each prompt's baseline built from the OTHER prompts of the batch.
+
+``basis`` is the registered estimator (``fn(rewards [B, G], ctx) -> (advantages, baselines)``); ``basis_baseline``
+is the baseline over one row per rollout, with the equations and options in its docstring. The pieces it is made
+of (prior smoothing, calibration, BLUE terms, similarity pooling) are in basis_blocks.py, its options in
+basis_options.py.
+
+The leave-one-out rule: b_i never depends on r_i, for every option. Every quantity fitted on the batch (the
+calibration shift, the bandwidth and shrinkage picked by cross-validation) is fitted separately for each row i on
+the rewards of the other rows only, and sums "over j != i" are computed so that reward i never enters them (masked
+sums and exclusive prefix/suffix sums, never "total minus own term"): the independence is exact in floating point.
+``tests/test_advantages.py`` checks it for every option combination.
+
+The BASIS paper published no code or equations (see ``docs/papers.md``); this is our own reconstruction. The
+defaults (fixed bandwidth and shrinkage, calibration by a logit shift, no BLUE pooling, the kernel mean shrunk
+toward the calibrated prior) were chosen with bench/value_mse.py; the measurements are in
+bench/results/value_mse.md, and the README says where single-rollout baselines fall short.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .base import as_float_tensor, check_finite, leave_one_out_mean, leave_one_out_range, leave_one_out_sum, rewards_1d
+from .basis_blocks import (
+    blue_terms,
+    calibrate_index,
+    calibration_candidates,
+    combine,
+    cosine_similarity,
+    grid_tensor,
+    kernel_matrix,
+    residual_target,
+    smooth_prior,
+)
+from .basis_options import parse_options
+
+
+def basis(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
+    """The registered estimator: A = r - b, b = ``basis_baseline`` over all B*G rollouts as rows.
+
+    Every rollout is its own row, with its prompt's prior ``ctx.prior`` [B] and features ``ctx.features`` [B, D]
+    repeated G times; the baseline of a rollout never depends on its own reward (the other rollouts of the same
+    prompt may be used, and with features they are its nearest neighbours). ``ctx.options`` are the BASIS options.
+    ``ctx.history`` is not read here: the trainer folds a prompt's earlier rewards into ``ctx.prior``
+    (``priors.prior_values``).
+    """
+    B, G = rewards.shape
+    p = f = None
+    if ctx.prior is not None:
+        p = as_float_tensor(ctx.prior, "prior")
+        if p.dim() == 2 and p.shape[1] == 1:
+            p = p[:, 0]
+        if p.shape != (B,):
+            raise ValueError(f"prior must have shape [B] = [{B}] (one value per prompt), got {tuple(p.shape)}")
+        p = p.to(rewards.device).repeat_interleave(G)
+    if ctx.features is not None:
+        f = as_float_tensor(ctx.features, "features")
+        if f.dim() != 2 or f.shape[0] != B:
+            raise ValueError(f"features must have shape [B, D] = [{B}, D], got {tuple(f.shape)}")
+        f = f.to(rewards.device).repeat_interleave(G, dim=0)
+    base = basis_baseline(rewards.reshape(-1), p, f, **(ctx.options or {})).reshape(B, G)
+    return rewards - base, base
+
+
+def _row_chunk(n: int, per_row: int) -> int:
+    return max(1, min(n, (1 << 21) // max(1, per_row)))
+
+
+def basis_baseline(rewards: Tensor, prior: Tensor | None = None, features: Tensor | None = None, **options) -> Tensor:
+    """BASIS baseline for one rollout per prompt: b_i from the OTHER prompts of the batch (leave-one-out).
+
+    Inputs: ``rewards`` [B] in [0, 1] (usually 0/1); ``prior`` [B] the success rate of each prompt under the
+    reference model (K reference rollouts; exact 0 and 1 are fine, see prior_clip/prior_k); ``features`` [B, D] any
+    D (the policy's hidden state of each prompt). The advantage is rewards - baseline. Returns a tensor [B].
+
+    Guarantee: b_i does not depend on rewards[i], for every option, including every per-batch fitted quantity
+    (calibration shift, bandwidth, shrinkage): those are fitted for row i on the other rows only.
+
+    How b_i is built
+    ----------------
+    0. Neither prior nor features (or both switched off): b_i = mean of the other rewards,
+       (sum_{j != i} r_j) / (B - 1). A batch of one has no other prompt: b = ``empty_baseline`` (default 0.0,
+       i.e. plain REINFORCE for that prompt).
+    1. Calibration (needs prior): p = prior smoothed into (0, 1); mu_j = sigmoid(a * logit(p_j) + delta) where
+       (delta, a) minimise sum_{j != i} (r_j - mu_j)^2 + calib_reg * delta^2 over a grid -- separately for each i.
+       (So each row i has its own view mu^(i) of all the calibrated values; they rarely differ by more than one grid
+       step.) A batch of one keeps delta = 0, a = 1.
+    2. BLUE pooling (needs prior) of the residuals r_j - mu_j over active rows j != i, with Bernoulli variances
+       sigma_j^2 = mu_j (1 - mu_j): the pooled residual t_i is  "additive": the 1/sigma_j^2-weighted mean residual;
+       "ratio": mu_i (c_{-i} - 1), c_{-i} = [sum (mu_j / sigma_j^2) r_j] / [sum mu_j^2 / sigma_j^2]; "none": 0.
+       With no other active row t_i = 0. Without features b_i = mu_i + t_i. With all priors equal (and active),
+       "additive" and "ratio" both give exactly the leave-one-out batch mean.
+    3. Similarity pooling (needs features): cos_ij from ``cosine_similarity`` and k_ij = exp((cos_ij - 1) / h),
+       j != i. With a prior and combine="toward_prior" (the default) it is the kernel mean of the other prompts'
+       rewards shrunk toward the calibrated prior:  b_i = (sum_{j != i} k_ij r_j + lambda * mu_i) / (S_i + lambda)
+       (pooling is then unused; bandwidth and shrink must be fixed numbers). With combine="residual" it smooths the
+       calibrated residuals e_j = r_j - mu_j; without a prior, the rewards themselves (mu = 0, and t_i = the
+       leave-one-out batch mean):
+           b_i = mu_i + (sum_{j != i} k_ij e_j + lambda * t_i) / (S_i + lambda),   S_i = sum_{j != i} k_ij
+       i.e. the kernel mean of the neighbours' residuals, shrunk toward the pooled residual t_i with the weight of
+       lambda pseudo-prompts ("softmax" kernel: S_i is Kish's effective count of the normalised weights instead).
+       Far-away prompts get k ~ 0 and b_i falls back to mu_i + t_i; a very large h gives nearly the batch mean.
+    4. Bandwidth h and shrinkage lambda: fixed numbers, or "cv": for each row i, every (h, lambda) on the grids is
+       scored by the leave-one-out squared error over the OTHER rows, sum_{j != i} (r_j - b_j^(-i,-j))^2, where
+       b_j^(-i,-j) is row j's baseline computed without r_i and r_j (in row i's calibration view). The best pair
+       is then used for b_i. Cost O(|grid| * B^2 * V) time and O(B^2) memory, V the number of distinct
+       calibrations among the rows (1 to 3 in practice).
+    5. Rows outside the active set (mu_i < tau or mu_i > 1 - tau): fallback "prior" keeps mu_i (plus the
+       similarity-pooled residual when features are given, shrunk toward 0 instead of t_i); "zero" sets b_i = 0.
+       Finally clip=True clamps b_i to [0, 1] -- the range of a success probability -- widened to
+       [min(0, min_{j != i} r_j), max(1, max_{j != i} r_j)] when rewards outside [0, 1] occur (e.g. a format bonus).
+
+    Options (defaults in ``BASIS_DEFAULTS``, basis_options.py; chosen with bench/value_mse.py)
+    ------------------------------------------------------------------------------------------
+    use_prior=True, use_features=True   use the prior / features when given (False ignores them: for benchmarks)
+    prior_clip=0.05                     clamp the prior to [prior_clip, 1 - prior_clip] before the logit
+    prior_k=None                        number of reference rollouts: Jeffreys-smooth (k p0 + 1/2) / (k + 1) first
+    calibration="shift"                 "shift" (logit shift delta) | "affine" (delta and logit scale a) | "none"
+    shift_grid=None                     grid for delta; None = linspace(-4, 4, 81)
+    scale_grid=(0.5, 0.75, 1, 1.25, 1.5)  grid for a ("affine" only)
+    calib_reg=0.0                       ridge penalty calib_reg * delta^2 added to the calibration loss
+    pooling="none"                      BLUE pooled residual: "none" | "additive" | "ratio"
+    tau=0.02                            active set: tau <= mu_j <= 1 - tau
+    fallback="prior"                    baseline of an inactive row: "prior" (mu_i) | "zero" (0, the paper's choice)
+    kernel="exp"                        "exp" (S = sum of weights) | "softmax" (S = Kish effective count)
+    bandwidth=0.3                       h > 0, or "cv" to choose it per row from bandwidth_grid
+    bandwidth_grid=(0.03, 0.1, 0.3, 1, 3)
+    shrink=2.0                          lambda >= 0, or "cv" to choose it per row from shrink_grid
+    shrink_grid=(0.5, 2, 8, 32)
+    feature_norm="center"               "center" | "standardize" | "none" (see ``cosine_similarity``)
+    combine="toward_prior"              prior and features together: "toward_prior" | "residual" (see 3.)
+    clip=True                           clamp b_i to [0, 1] (widened to the other rewards' range, see 5.)
+    empty_baseline=0.0                  baseline when no other prompt is available (batch of one, no prior)
+    """
+    o = parse_options(options)
+    r_in = rewards_1d(rewards)
+    n = r_in.numel()
+    device = r_in.device
+    dtype = torch.float64 if (device.type == "cpu" or r_in.dtype == torch.float64) else torch.float32
+    r = r_in.to(dtype)
+    out_dtype = r_in.dtype
+    if n == 0:
+        return r_in.clone()
+
+    p = None
+    if prior is not None and o.use_prior:
+        p = as_float_tensor(prior, "prior").to(device=device, dtype=dtype)
+        if p.shape != r.shape:
+            raise ValueError(f"prior must have shape {tuple(r.shape)} like rewards, got {tuple(p.shape)}")
+        check_finite(p, "prior")
+        if bool(((p < 0) | (p > 1)).any()):
+            raise ValueError("prior values must lie in [0, 1] (success probabilities)")
+    cos = None
+    if features is not None and o.use_features:
+        f = as_float_tensor(features, "features")
+        if f.dim() != 2 or f.shape[0] != n or f.shape[1] == 0:
+            raise ValueError(f"features must have shape [{n}, D] with D >= 1, got {tuple(f.shape)}")
+        f = f.to(device=device, dtype=dtype)
+        check_finite(f, "features")
+        cos = cosine_similarity(f, o.feature_norm)
+
+    if p is None and cos is None:
+        return leave_one_out_mean(r, empty=o.empty_baseline).to(out_dtype)
+
+    ar = torch.arange(n, device=device)
+    lo_c, hi_c = leave_one_out_range(r)  # clip range of b_i: [0, 1], widened by the other rewards
+    lo_c, hi_c = lo_c.clamp(max=0.0), hi_c.clamp(min=1.0)
+    # ---- views: row i sees calibrated values MuV[view[i]] (one view per distinct calibration) ----
+    if p is not None:
+        z = torch.logit(smooth_prior(p, o.prior_clip, o.prior_k))
+        cs, ca = calibration_candidates(o.calibration, o.shift_grid, o.scale_grid, dtype, device)
+        idx = calibrate_index(r, z, cs, ca, float(o.calib_reg))
+        uniq, view = torch.unique(idx, return_inverse=True)
+        mu_v = torch.sigmoid(ca[uniq, None] * z[None, :] + cs[uniq, None])  # [V, N]
+        act_v = (mu_v >= o.tau) & (mu_v <= 1.0 - o.tau)
+        form = o.pooling
+    else:
+        mu_v = torch.zeros(1, n, dtype=dtype, device=device)
+        act_v = torch.ones(1, n, dtype=torch.bool, device=device)
+        view = torch.zeros(n, dtype=torch.long, device=device)
+        form = "mean"
+    num_v, den_v = blue_terms(r[None, :], mu_v, act_v, form)  # [V, N]
+    lnum_v, lden_v = leave_one_out_sum(num_v, 1), leave_one_out_sum(den_v, 1)  # sums over j != i
+    mu_self = mu_v[view, ar]
+    act_self = act_v[view, ar]
+    target = residual_target(lnum_v[view, ar], lden_v[view, ar], mu_self, form, o.empty_baseline)
+    if p is not None:
+        target = torch.where(act_self, target, torch.zeros_like(target))
+
+    if cos is not None and p is not None and o.combine == "toward_prior":
+        # kernel mean of the OTHER prompts' rewards (k_ii = 0), shrunk toward row i's calibrated prior mu_i, which
+        # was itself fitted without r_i
+        if isinstance(o.bandwidth, str) or isinstance(o.shrink, str):
+            raise ValueError("combine='toward_prior' takes a fixed bandwidth and shrink, not 'cv'; use "
+                             "combine='residual' for cross-validated ones")
+        k = kernel_matrix(cos, float(o.bandwidth))
+        b = combine((k * r[None, :]).sum(dim=1), k.sum(dim=1), (k * k).sum(dim=1), mu_self, float(o.shrink),
+                    o.kernel)
+    else:
+        if cos is None:
+            pooled = target
+        else:
+            pooled = _similarity_residual(r, cos, o, mu_v, act_v, view, num_v, den_v, lnum_v, lden_v, form, target,
+                                          has_prior=p is not None, clip_range=(lo_c, hi_c))
+        b = mu_self + pooled
+    if p is not None and o.fallback == "zero":
+        b = torch.where(act_self, b, torch.zeros_like(b))
+    if o.clip:
+        b = torch.minimum(torch.maximum(b, lo_c), hi_c)
+    return b.to(out_dtype)
+
+
+def _similarity_residual(r, cos, o, mu_v, act_v, view, num_v, den_v, lnum_v, lden_v, form, target, has_prior,
+                         clip_range):
+    """Kernel-pooled residual for every row, with bandwidth/shrinkage fixed or chosen per row by leave-one-out CV."""
+    n = r.numel()
+    dtype, device = r.dtype, r.device
+    ar = torch.arange(n, device=device)
+    hs = [float(o.bandwidth)] if not isinstance(o.bandwidth, str) else \
+        grid_tensor(o.bandwidth_grid, "bandwidth_grid", dtype, device, positive=True).tolist()
+    lams = [float(o.shrink)] if not isinstance(o.shrink, str) else \
+        grid_tensor(o.shrink_grid, "shrink_grid", dtype, device).tolist()
+    do_cv = len(hs) * len(lams) > 1
+    H, L = len(hs), len(lams)
+    num_f = torch.empty(n, H, dtype=dtype, device=device)  # sum_{j != i} k_ij e_j in row i's view
+    ksum_f = torch.empty(n, H, dtype=dtype, device=device)
+    ksq_f = torch.empty(n, H, dtype=dtype, device=device)
+    cv = torch.zeros(n, H, L, dtype=dtype, device=device) if do_cv else None
+    chunk = _row_chunk(n, n)
+    for hi, h in enumerate(hs):
+        k = kernel_matrix(cos, h)  # symmetric, zero diagonal; holds no reward
+        ksum, ksq = k.sum(1), (k * k).sum(1)
+        km = k @ mu_v.T  # [N, V]: sum_l k_jl mu_l in each view (no reward)
+        # lx[j, i] = sum_{l != i} k_jl r_l  (exclusive prefix/suffix sums: r_i never enters column i)
+        lx = leave_one_out_sum(k * r[None, :], dim=1)
+        num_f[:, hi] = lx[ar, ar] - km[ar, view]
+        ksum_f[:, hi], ksq_f[:, hi] = ksum, ksq
+        if not do_cv:
+            continue
+        for s in range(0, n, chunk):
+            rows = ar[s:s + chunk]
+            vw = view[rows]
+            mu_rows = mu_v[vw]  # [c, N] mu_j in row i's view
+            k_rows = k[rows]  # k_ij == k_ji
+            # row j's prediction without r_i and r_j, for each j, in row i's view
+            num2 = lx[:, rows].T - (km[:, vw].T - k_rows * mu_v[vw, rows][:, None])
+            ksum2 = (ksum[None, :] - k_rows).clamp_min(0.0)
+            ksq2 = (ksq[None, :] - k_rows * k_rows).clamp_min(0.0)
+            lden_rows = lden_v[vw, rows][:, None]
+            t2 = residual_target(lnum_v[vw, rows][:, None] - num_v[vw], lden_rows - den_v[vw],
+                                 mu_rows, form, o.empty_baseline, scale=lden_rows)
+            act_rows = act_v[vw]
+            if has_prior:
+                t2 = torch.where(act_rows, t2, torch.zeros_like(t2))
+            self_mask = rows[:, None] == ar[None, :]
+            for li, lam in enumerate(lams):
+                pred = mu_rows + combine(num2, ksum2, ksq2, t2, lam, o.kernel)
+                if has_prior and o.fallback == "zero":
+                    pred = torch.where(act_rows, pred, torch.zeros_like(pred))
+                if o.clip:  # row i's clip range (from the rewards other than r_i)
+                    pred = torch.minimum(torch.maximum(pred, clip_range[0][rows, None]), clip_range[1][rows, None])
+                err = torch.where(self_mask, torch.zeros_like(pred), (r[None, :] - pred) ** 2)
+                cv[rows, hi, li] = err.sum(1)
+    if do_cv:
+        # exact ties (e.g. B <= 2, where nothing is left to validate on) go to the pair nearest h = 1, lambda = 2
+        hpen = torch.tensor([abs(math.log(h)) for h in hs], dtype=dtype, device=device)
+        lpen = torch.tensor([abs(math.log((lam + 1.0) / 3.0)) for lam in lams], dtype=dtype, device=device)
+        score = cv + 1e-12 * (hpen[None, :, None] + lpen[None, None, :])
+        best = torch.argmin(score.reshape(n, H * L), dim=1)
+        hi_sel, li_sel = best // L, best % L
+    else:
+        hi_sel = torch.zeros(n, dtype=torch.long, device=device)
+        li_sel = torch.zeros(n, dtype=torch.long, device=device)
+    pooled = torch.empty(n, dtype=dtype, device=device)
+    for li, lam in enumerate(lams):
+        sel = li_sel == li
+        if bool(sel.any()):
+            pooled[sel] = combine(num_f[ar, hi_sel][sel], ksum_f[ar, hi_sel][sel], ksq_f[ar, hi_sel][sel],
+                                  target[sel], lam, o.kernel)
+    return pooled

@@ -1,0 +1,138 @@
+"""BASIS options: their defaults, accepted values and checks. Imports no torch (config validation uses it at load).
+
+``validate_options`` is what ``get_estimator("basis").validate_options`` runs when a config loads; ``parse_options``
+is what ``basis_baseline`` runs on every call. Both raise ``ConfigError`` naming the bad key as
+``estimator.options.<key>`` and what would be accepted. The meaning of each option is in ``basis_baseline``'s
+docstring (basis_lite/estimators/basis.py).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ..errors import ConfigError
+
+PRIOR_CLIP = 0.05  # clamp priors to [0.05, 0.95] before the logit
+DEFAULT_SHIFT_GRID = tuple(round(-4.0 + 0.1 * k, 10) for k in range(81))  # linspace(-4, 4, 81)
+
+CHOICES = {
+    "calibration": ("shift", "affine", "none"),
+    "pooling": ("none", "additive", "ratio"),
+    "fallback": ("prior", "zero"),
+    "kernel": ("exp", "softmax"),
+    "feature_norm": ("center", "standardize", "none"),
+    "combine": ("toward_prior", "residual"),
+}
+PREFIX = "estimator.options"
+
+
+@dataclass(frozen=True)
+class BasisOptions:
+    use_prior: bool = True
+    use_features: bool = True
+    prior_clip: float = PRIOR_CLIP
+    prior_k: int | None = None
+    calibration: str = "shift"
+    shift_grid: Any = None  # None = DEFAULT_SHIFT_GRID
+    scale_grid: Any = (0.5, 0.75, 1.0, 1.25, 1.5)
+    calib_reg: float = 0.0
+    pooling: str = "none"
+    tau: float = 0.02
+    fallback: str = "prior"
+    kernel: str = "exp"
+    bandwidth: Any = 0.3  # fixed 0.3 / 2.0 rather than "cv": see bench/results/value_mse.md
+    bandwidth_grid: Any = (0.03, 0.1, 0.3, 1.0, 3.0)
+    shrink: Any = 2.0
+    shrink_grid: Any = (0.5, 2.0, 8.0, 32.0)
+    feature_norm: str = "center"
+    combine: str = "toward_prior"  # prior AND features: see basis_baseline, step 3
+    clip: bool = True
+    empty_baseline: float = 0.0
+
+
+BASIS_DEFAULTS: dict[str, Any] = asdict(BasisOptions())
+_NAMES = tuple(f.name for f in fields(BasisOptions))
+_SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # YAML 1.1 reads 1e-3 (no dot) as a string
+
+
+def _bad(key: str, value: Any, expected: str) -> ConfigError:
+    return ConfigError(f"{PREFIX}.{key}: {value!r} is not accepted; expected {expected}")
+
+
+def check_choice(key: str, value: Any) -> None:
+    allowed = CHOICES[key]
+    if not isinstance(value, str) or value not in allowed:
+        raise ConfigError(f"{PREFIX}.{key}: {value!r} is not accepted; choose one of {', '.join(allowed)}")
+
+
+def _number(key: str, value: Any, ok, expected: str) -> float | int:
+    """A finite real number (not a bool) for which ok(value) holds; '1e-3' strings are read as numbers."""
+    v = value
+    if isinstance(v, str) and _SCI_FLOAT.fullmatch(v.strip()):
+        v = float(v)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not ok(v):
+        raise _bad(key, value, expected)
+    return v
+
+
+def _grid(key: str, value: Any, ok, expected: str) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or len(value) == 0:
+        raise _bad(key, value, f"a non-empty list of {expected}")
+    vals = [_number(key, v, ok, f"a non-empty list of {expected}") for v in value]
+    return tuple(vals) if isinstance(value, tuple) else vals
+
+
+def _number_or_cv(key: str, value: Any, ok, expected: str) -> Any:
+    if value == "cv":
+        return value
+    return _number(key, value, ok, f"{expected} or 'cv'")
+
+
+def validate_options(options: dict) -> dict:
+    """Check BASIS options; returns a copy with '1e-3'-style strings read as numbers. Raises ConfigError."""
+    if not isinstance(options, dict):
+        raise ConfigError(f"{PREFIX}: expected a mapping such as {{bandwidth: 0.3}}, got {options!r}")
+    unknown = sorted(str(k) for k in options if k not in _NAMES)
+    if unknown:
+        more = f" (also unknown: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
+        raise ConfigError(f"{PREFIX}.{unknown[0]}: not an option of basis{more}; accepted options: "
+                          f"{', '.join(sorted(_NAMES))}")
+    out = dict(options)
+    for key, value in options.items():
+        if key in CHOICES:
+            check_choice(key, value)
+        elif key in ("use_prior", "use_features", "clip"):
+            if not isinstance(value, bool):
+                raise _bad(key, value, "true or false")
+        elif key == "prior_clip":
+            out[key] = _number(key, value, lambda v: 0.0 < v < 0.5, "a number in (0, 0.5)")
+        elif key == "prior_k":
+            if value is not None:
+                out[key] = _number(key, value, lambda v: v >= 1 and float(v).is_integer(),
+                                   "null or a whole number >= 1 (reference rollouts per prompt)")
+        elif key == "calib_reg":
+            out[key] = _number(key, value, lambda v: v >= 0, "a number >= 0")
+        elif key == "tau":
+            out[key] = _number(key, value, lambda v: 0.0 <= v < 0.5, "a number in [0, 0.5)")
+        elif key == "empty_baseline":
+            out[key] = _number(key, value, lambda v: True, "a finite number")
+        elif key == "bandwidth":
+            out[key] = _number_or_cv(key, value, lambda v: v > 0, "a positive number")
+        elif key == "shrink":
+            out[key] = _number_or_cv(key, value, lambda v: v >= 0, "a number >= 0")
+        elif key == "shift_grid":
+            if value is not None:
+                out[key] = _grid(key, value, lambda v: True, "finite numbers (or null: -4 to 4 in steps of 0.1)")
+        elif key in ("scale_grid", "bandwidth_grid"):
+            out[key] = _grid(key, value, lambda v: v > 0, "positive numbers")
+        elif key == "shrink_grid":
+            out[key] = _grid(key, value, lambda v: v >= 0, "numbers >= 0")
+    return out
+
+
+def parse_options(options: dict) -> BasisOptions:
+    """The options of one ``basis_baseline`` call, checked (``validate_options``) and filled in with the defaults."""
+    return BasisOptions(**validate_options(options))

@@ -1,0 +1,58 @@
+"""Setting up what every command needs: seeds, threads, device and dtype, and the policy with its rollout engine.
+
+    device, dtype = setup_device(cfg)            # torch threads (train.threads), cpu/cuda, the compute dtype
+    model, tok, engine = build_policy(cfg, device, dtype, adapter_path=None)
+
+`train`, `eval`, `export` and `prior` all go through these, so a choice (threads, dtype auto) is made in one place.
+"""
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import numpy as np
+import torch
+
+from .config import Config
+from .models import resolve_device, resolve_dtype
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
+    """Apply `train.threads` (0 = torch's default, all cores) and resolve `device` and `model.dtype`."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.device)
+    return device, resolve_dtype(cfg.model.dtype, device)
+
+
+def build_policy(cfg: Config, device, dtype, adapter_path=None):
+    """(model, tokenizer, engine) for the configured backend and engine."""
+    backend = cfg.model.backend
+    if backend == "auto":
+        backend = "unsloth" if device.type == "cuda" and importlib.util.find_spec("unsloth") is not None else "hf"
+    if backend == "unsloth":
+        from .unsloth_backend import load_unsloth_policy
+
+        model, tok = load_unsloth_policy(cfg, device, dtype, adapter_path)
+    else:
+        from .models import load_policy
+
+        model, tok = load_policy(cfg, device, dtype, adapter_path)
+    return model, tok, make_engine(cfg, model, tok, backend)
+
+
+def make_engine(cfg: Config, model, tok, backend: str = "hf"):
+    max_prompt = max(16, cfg.model.max_seq_length - cfg.generation.max_new_tokens)
+    if cfg.generation.engine == "hf":
+        from .engines.hf import HFEngine
+
+        return HFEngine(model, tok, batch_size=cfg.generation.batch_size, max_prompt_tokens=max_prompt)
+    from .engines.vllm import make_vllm_engine
+
+    return make_vllm_engine(cfg, model, tok, backend)
