@@ -334,7 +334,6 @@ def environment() -> dict:
     import platform
 
     import torch
-
     from provenance import provenance
 
     info = {**provenance(), "python": platform.python_version(), "torch": torch.__version__,
