@@ -1,0 +1,910 @@
+"""basis-lite against TRL's GRPOTrainer on the CPU: held-out accuracy against training wall-clock, and peak memory.
+
+Install TRL first, without letting it move torch or transformers (check with `--dry-run`; if it wants to, add
+`--no-deps` and install only what is missing: accelerate, datasets):
+
+    pip install --dry-run trl==1.15.0      # must not list torch or transformers
+    pip install trl==1.15.0 matplotlib     # trl pulls accelerate and datasets if they are missing
+
+Arms (each in its own Python process, so their peak RSS are separate; one after the other, never in parallel):
+
+    basis   basis-lite's default run: the preset through basis_lite.trainer.train(), B prompts x 1 rollout
+            (B = the preset's train.batch_size), read back from its run folder (metrics.jsonl)
+    trl8    TRL GRPOTrainer, B/8 prompts x 8 generations per step (the same B rollouts per step)
+    trl4    TRL GRPOTrainer, B/4 prompts x 4 generations per step
+
+What every arm shares (all read from the preset at run time, nothing hard-coded):
+
+- the model: basis_lite.models.load_policy() builds base + LoRA for every arm (the built-in SmolLM2 folder, the
+  dtype from basis_lite.models.resolve_dtype(model.dtype), LoRA r / alpha / dropout / target modules, adapters in
+  fp32, gradient checkpointing), after the same seed, so the initial adapter is the same too;
+  TRL gets that PeftModel instead of a model path and a peft_config;
+- optimizer and learning-rate schedule: basis-lite's own make_optimizer / make_scheduler (AdamW; linear warmup
+  from lr/(w+1), cosine down to 10%), handed to TRL through `optimizers=`, because TRL's warmup starts at lr 0;
+- prompts: basis_lite.data.format_prompt (system prompt, instruction, chat template) over the training split, in
+  the order basis-lite's PromptSampler draws them (TRL with shuffle_dataset=False);
+- sampling: temperature, top_p, top_k and max new tokens (TRL: max_completion_length);
+- reward: basis_lite.rewards.RewardScorer (math-verify correctness), given to TRL as a reward function that reads
+  the gold answer from the dataset's "answer" column;
+- loss: token-level PPO clip with clip_low / clip_high (TRL: epsilon / epsilon_high, loss_type="dapo"), no KL
+  (beta = train.kl_coef = 0), one update per batch of rollouts (num_iterations=1), gradient clipping at
+  train.max_grad_norm, train.micro_batch_size sequences per forward/backward (TRL: per_device_train_batch_size,
+  with gradient_accumulation_steps = B / micro-batch);
+- evaluation: basis_lite.evaluate.evaluate() with the arguments train() passes it (greedy, eval_max_new_tokens,
+  eval_batch_size, the held-out split load_examples(cfg.data, "eval")), on the same HF engine, before training,
+  every --eval-every steps and at the end. --eval-limit N keeps the first N held-out problems (the split is drawn
+  round-robin over the levels); it never changes data.eval_size, which would change the training split too.
+
+What TRL cannot do on a CPU as shipped: TRL 1.15.0 computes GRPO's token log-probs with a Triton kernel
+(trl.trainer.utils._ChunkedLogProbFunction) and has no PyTorch fallback, so GRPOTrainer fails at its first loss
+without a GPU. On a CPU the TRL arms replace that kernel with TorchLogProbHead below, which scores tokens with
+basis-lite's chunked log-prob function (the one the basis arm uses); log-probs, entropy and gradients match a plain
+log_softmax to float32 rounding.
+
+What differs on purpose: the advantage. basis is BASIS (one rollout per prompt, a baseline pooled from the other
+prompts of the batch); the TRL arms are GRPO as TRL runs it (group mean baseline, divided by the group's std:
+scale_rewards="group", TRL's default).
+
+The clock. For every arm the clock is TRAINING ONLY: generation + update (forward, backward, optimizer step), summed
+over steps. Evaluation, model loading, checkpoint writing and reward scoring (the same math-verify function in every
+arm) are not in it. basis: generation_s + training_s from metrics.jsonl. TRL: each optimizer step timed from
+on_step_begin to on_step_end, minus the time spent in the reward function; the evaluations run after on_step_end.
+
+Headline: the clock basis-lite needs to reach TRL's final held-out accuracy (its first eval point at or above it)
+divided by TRL's total clock, for each TRL arm; the target is <= 1/3, and the number is reported whichever way it
+falls. Eval points are every --eval-every steps, so "reached" is only known at that granularity.
+
+Usage:
+
+    python bench/vs_trl.py                                   # full benchmark: preset steps, all three arms
+    python bench/vs_trl.py --steps 20 --eval-every 5 --arms basis,trl8,trl4
+    python bench/vs_trl.py --quick                           # plumbing check: 2 steps, eval every step on 8
+                                                             # problems; results go under the runs folder
+
+Runtime (2 AVX2 cores, fp32, no other load): a training step of 32 rollouts takes about 35-55 s in every arm
+(2-step checks: generation 17-36 s, update 18-20 s) and an eval of the 150 held-out problems about 1.5-2 min, so
+the default 20 steps with an eval every 5 steps take about 20-30 min per arm, 1-1.5 h for the three. Another
+process on the same cores slows a step many times over (oversubscribed threads): run it on an idle machine.
+
+Outputs (--out, default bench/results; with --quick and no --out: <runs>/quick): vs_trl.json (every eval point,
+each arm's clock and peak RSS, CPU model and speed-relevant flags, torch/transformers/trl versions, git commit),
+vs_trl.md (table and headline) and vs_trl.png (held-out accuracy against training clock). Run folders, logs and the
+TRL adapters go to --runs (default runs/vs_trl, git-ignored). An arm whose folder holds a result for the same
+settings is not run again (delete the folder, or pass --fresh, to redo it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# the driver imports no torch: the arms run in their own processes; only the config loader (yaml) is needed here
+from basis_lite.config import DEFAULT_PRESET, ConfigError, load_config, to_dict  # noqa: E402
+
+ARMS = ("basis", "trl8", "trl4")
+GROUPS = {"trl8": 8, "trl4": 4}
+TARGET_RATIO = 1 / 3
+TRL_VERSION = "1.15.0"
+INSTALL_HINT = f"pip install trl=={TRL_VERSION}  (check `pip install --dry-run trl=={TRL_VERSION}` first: it must " \
+               f"not change torch or transformers)"
+COLORS = {"basis": "tab:blue", "trl8": "tab:red", "trl4": "tab:orange"}
+LABELS = {"basis": "basis-lite (BASIS, 1 rollout/prompt)", "trl8": "TRL GRPO, G=8", "trl4": "TRL GRPO, G=4"}
+CLOCK_NOTE = ("Clock = training only: generation + update (forward, backward, optimizer step) summed over steps. "
+              "Evaluation, model loading, checkpoint writing and reward scoring are excluded in every arm.")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pure helpers (tested without a model)
+
+
+def clock_to_reach(points: list[dict], target: float) -> dict | None:
+    """The first eval point (by step) whose accuracy is at least `target`, or None if none is."""
+    for p in sorted(points, key=lambda p: p["step"]):
+        if p["accuracy"] >= target - 1e-9:
+            return p
+    return None
+
+
+def headline(basis: dict, trl: dict) -> dict:
+    """basis-lite's clock to reach TRL's final accuracy, as a fraction of TRL's total clock."""
+    target = trl["final_accuracy"]
+    trl_clock = trl["total_clock_s"]
+    hit = clock_to_reach(basis["points"], target)
+    out = {"trl_final_accuracy": target, "trl_total_clock_s": trl_clock, "target_ratio": TARGET_RATIO,
+           "basis_final_accuracy": basis["final_accuracy"], "basis_total_clock_s": basis["total_clock_s"],
+           "reached": hit is not None}
+    if hit is not None:
+        out["basis_clock_to_reach_s"] = hit["clock_s"]
+        out["basis_step_to_reach"] = hit["step"]
+        out["ratio"] = hit["clock_s"] / trl_clock if trl_clock > 0 else None
+        out["meets_target"] = out["ratio"] is not None and out["ratio"] <= TARGET_RATIO + 1e-12
+    else:
+        # not reached within the run: the ratio is larger than all of basis-lite's clock over TRL's
+        out["ratio"] = None
+        out["ratio_lower_bound"] = basis["total_clock_s"] / trl_clock if trl_clock > 0 else None
+        out["meets_target"] = False
+    return out
+
+
+def summarize_arm(arm: str, points: list[dict], step_clocks: list[float], extra: dict | None = None) -> dict:
+    """One arm's record from its eval points (step, clock_s, accuracy, ...) and per-step training clocks."""
+    pts = sorted(points, key=lambda p: (p["step"], p.get("final", False)))
+    rec = {"arm": arm, "label": LABELS.get(arm, arm), "points": pts, "steps": len(step_clocks),
+           "total_clock_s": round(sum(step_clocks), 3),
+           "mean_step_s": round(sum(step_clocks) / len(step_clocks), 3) if step_clocks else None,
+           "accuracy_before": pts[0]["accuracy"] if pts and pts[0]["step"] == 0 else None,
+           "final_accuracy": pts[-1]["accuracy"] if pts else None}
+    rec.update(extra or {})
+    return rec
+
+
+def cumulative(step_clocks: list[float]) -> list[float]:
+    """Clock after each step: [c1, c1+c2, ...]; index k-1 is the clock at the end of step k."""
+    out, total = [], 0.0
+    for c in step_clocks:
+        total += c
+        out.append(total)
+    return out
+
+
+def _fmt_s(s) -> str:
+    if s is None:
+        return "-"
+    if s < 10:
+        return f"{s:.2f} s"
+    return f"{s:.0f} s" if s < 600 else f"{s / 60:.1f} min"
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 1024:.2f} GB" if x >= 1024 else f"{x:.0f} MB"
+
+
+def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the results table: one row per arm, one column per eval step."""
+    arms = [a for a in report["arm_order"] if a in report["arms"]]
+    steps = sorted({p["step"] for a in arms for p in report["arms"][a]["points"]})
+    head = ["arm", "prompts x rollouts", "steps", "train clock", "generation + update", "s/step", "peak RSS"]
+    head += [f"acc @{s}" for s in steps]
+    rows = []
+    for a in arms:
+        r = report["arms"][a]
+        by_step = {p["step"]: p for p in r["points"]}
+        split = (f"{_fmt_s(r['generation_s'])} + {_fmt_s(r['update_s'])}"
+                 if r.get("generation_s") is not None and r.get("update_s") is not None else "-")
+        row = [a, f"{r.get('prompts_per_step', '?')} x {r.get('rollouts_per_prompt', '?')}", str(r["steps"]),
+               _fmt_s(r["total_clock_s"]), split, _fmt_s(r.get("mean_step_s")), _mb(r.get("peak_rss_mb"))]
+        for s in steps:
+            p = by_step.get(s)
+            row.append(f"{p['accuracy']:.3f} ({_fmt_s(p['clock_s'])})" if p else "-")
+        rows.append(row)
+    return head, rows
+
+
+def headline_text(arm: str, h: dict) -> str:
+    name = LABELS.get(arm, arm)
+    if h["reached"]:
+        verdict = "meets" if h["meets_target"] else "misses"
+        where = (f"at {_fmt_s(h['basis_clock_to_reach_s'])} of training clock (eval at step "
+                 f"{h['basis_step_to_reach']})" if h["basis_step_to_reach"] > 0 else
+                 "before training (step 0: TRL ended no higher than where every arm started)")
+        return (f"basis-lite reached {name}'s final held-out accuracy {h['trl_final_accuracy']:.3f} {where}; "
+                f"{name} took {_fmt_s(h['trl_total_clock_s'])} in all: ratio **{h['ratio']:.3f}** ({verdict} the "
+                f"1/3 target).")
+    lb = h.get("ratio_lower_bound")
+    above = f"; the ratio is above {lb:.3f}" if lb is not None else ""
+    return (f"basis-lite did not reach {name}'s final held-out accuracy {h['trl_final_accuracy']:.3f} within its run "
+            f"(final {h['basis_final_accuracy']:.3f} after {_fmt_s(h['basis_total_clock_s'])}){above} (misses the 1/3 "
+            f"target).")
+
+
+def markdown(report: dict) -> str:
+    st = report["settings"]
+    head, rows = table_rows(report)
+    lines = ["# basis-lite vs TRL GRPOTrainer on the CPU", "",
+             f"Preset `{st['preset']}`: model `{st['model']}` ({st.get('dtype', '?')}), dataset `{st['dataset']}`, "
+             f"{st['steps']} steps of {st['rollouts_per_step']} rollouts in every arm, greedy held-out eval of "
+             f"{st['eval_n']} problems "
+             + (f"every {st['eval_every']} steps" if st["eval_every"] else "before and after training")
+             + (f" (--eval-limit {st['eval_limit']}: a subset of the held-out split)" if st.get("eval_limit") else "")
+             + ".", "", CLOCK_NOTE, "",
+             "Cells: held-out accuracy (training clock at that point).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", "## Headline (target <= 1/3, reported whichever way it falls)", "",
+              "Training clock basis-lite needs to reach TRL's final held-out accuracy, divided by TRL's total "
+              "training clock:", ""]
+    if report.get("headline"):
+        for arm, h in report["headline"].items():
+            lines.append(f"- {headline_text(arm, h)}")
+    else:
+        lines.append("- not computed: it needs the basis arm and at least one TRL arm.")
+    lines += ["", "## Settings", "", "Shared: " + ", ".join(f"{k} {v}" for k, v in st.get("shared", {}).items()) + ".",
+              "", "TRL GRPOConfig: " + ", ".join(f"`{k}={v}`" for k, v in st.get("trl_config", {}).items()) + ".", ""]
+    for note in report.get("not_matched", []):
+        lines.append(f"- Not matched exactly: {note}")
+    m = report.get("machine", {})
+    v = report.get("versions", {})
+    lines += ["", f"Machine: {m.get('cpu', '?')}, {m.get('cpus_usable', '?')} CPUs usable, flags "
+              + ", ".join(f"{f} {'yes' if m.get('flags', {}).get(f) else 'no'}" for f in CPU_FLAGS)
+              + f"; load average at start {m.get('loadavg')}. torch threads per arm: "
+              + ", ".join(f"{a} {report['arms'][a].get('threads')}" for a in report["arm_order"] if a in report["arms"])
+              + ".", "",
+              "Load average (1/5/15 min) before -> after each arm: " + "; ".join(
+                  f"{a} {report['arms'][a].get('loadavg_before')} -> {report['arms'][a].get('loadavg_after')}"
+                  for a in report["arm_order"] if a in report["arms"]) + ". Another process on the same cores "
+              "slows the clock of the arm it overlaps.", "",
+              "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + f". Commit {report.get('git_commit')}"
+              + (" (with uncommitted changes)" if report.get("git_dirty") else "") + ".", "",
+              f"Command: `{report.get('command', '')}`", "",
+              f"Generated {report.get('created', '')} by bench/vs_trl.py; data in vs_trl.json, chart vs_trl.png.", ""]
+    return "\n".join(lines)
+
+
+def print_table(report: dict) -> None:
+    head, rows = table_rows(report)
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) if rows else len(head[i]) for i in range(len(head))]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print(CLOCK_NOTE)
+    for arm, h in (report.get("headline") or {}).items():
+        print(headline_text(arm, h).replace("**", ""))
+
+
+def write_png(report: dict, path: Path) -> bool:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install matplotlib)", file=sys.stderr)
+        return False
+    arms = [a for a in report["arm_order"] if a in report["arms"] and report["arms"][a]["points"]]
+    span = max([p["clock_s"] for a in arms for p in report["arms"][a]["points"]] + [1.0])
+    scale, unit = (60.0, "min") if span > 600 else (1.0, "s")
+    fig = Figure(figsize=(8.5, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for a in arms:
+        r = report["arms"][a]
+        xs = [p["clock_s"] / scale for p in r["points"]]
+        ys = [p["accuracy"] for p in r["points"]]
+        ax.plot(xs, ys, marker="o", color=COLORS.get(a), label=f"{LABELS.get(a, a)}: {r.get('prompts_per_step')} x "
+                f"{r.get('rollouts_per_prompt')}")
+    for a, h in (report.get("headline") or {}).items():
+        ax.axhline(h["trl_final_accuracy"], color=COLORS.get(a), ls=":", lw=1)
+        if h["reached"]:
+            ax.plot([h["basis_clock_to_reach_s"] / scale], [h["trl_final_accuracy"]], marker="*", ms=12,
+                    color=COLORS.get(a), ls="none", label=f"basis-lite reaches {a}'s final accuracy: ratio "
+                    f"{h['ratio']:.2f}")
+    st = report["settings"]
+    ax.set_xlabel(f"training clock, generation + update ({unit}; no eval, load or reward time)")
+    ax.set_ylabel(f"held-out accuracy (greedy, n={st['eval_n']})")
+    ax.set_title(f"basis-lite vs TRL GRPO on {report.get('machine', {}).get('cpu', 'CPU')}, "
+                 f"{st['rollouts_per_step']} rollouts/step", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# inside an arm's process
+
+
+def peak_rss_mb() -> dict:
+    """This process's peak resident memory: VmHWM from /proc/self/status and ru_maxrss (both MiB)."""
+    import resource
+
+    out = {"ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                out["vmhwm_mb"] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    out["peak_rss_mb"] = round(max(out.values()), 1)
+    return out
+
+
+def _eval_point(step: int, clock: float, ev: dict, final: bool = False) -> dict:
+    return {"step": step, "clock_s": round(clock, 3), "accuracy": ev["accuracy"], "n": ev["n"],
+            "by_level": {k: v["accuracy"] for k, v in ev.get("by_level", {}).items()}, "final": final}
+
+
+def _limit_eval(examples: list, limit: int | None) -> list:
+    # the split is drawn round-robin over the levels, so its first N problems are spread over the levels as well
+    return examples[:limit] if limit else examples
+
+
+def worker_basis(spec: dict) -> dict:
+    """The basis arm: basis_lite.trainer.train() on the preset, then its run folder read back."""
+    import torch
+
+    from basis_lite import trainer as bl_trainer
+    from basis_lite.models import resolve_device, resolve_dtype
+
+    cfg = load_config(spec["preset"], spec["overrides"])
+    limit = spec.get("eval_limit")
+    if limit:
+        # train() evaluates on load_examples(cfg.data, "eval"); changing data.eval_size would change the training
+        # split too (the built-in tasks draw the eval problems first), so the eval list is cut here instead
+        if not hasattr(bl_trainer, "load_examples"):
+            raise RuntimeError("--eval-limit: basis_lite.trainer no longer imports load_examples; run without it")
+        full_load = bl_trainer.load_examples
+        bl_trainer.load_examples = lambda data_cfg, split: (
+            _limit_eval(full_load(data_cfg, split), limit) if split == "eval" else full_load(data_cfg, split))
+    run_dir = Path(spec["run_dir"]) / "run"
+    t0 = time.time()
+    summary = bl_trainer.train(cfg, run_dir, progress=spec["progress"])
+    wall = time.time() - t0
+    steps, evals = {}, []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("event") in ("eval", "eval_final"):
+            evals.append(rec)
+        elif "event" not in rec:
+            steps[int(rec["step"])] = rec
+    order = sorted(steps)
+    gen = [float(steps[s]["generation_s"]) for s in order]
+    upd = [float(steps[s]["training_s"]) for s in order]
+    clocks = [g + u for g, u in zip(gen, upd)]
+    cum = dict(zip(order, cumulative(clocks)))
+    cum[0] = 0.0
+    points = []
+    for ev in evals:
+        s = int(ev["step"])
+        by_level = {k[len("eval_accuracy_level"):]: v for k, v in ev.items() if k.startswith("eval_accuracy_level")}
+        points.append({"step": s, "clock_s": round(cum.get(s, 0.0), 3), "accuracy": ev["eval_accuracy"],
+                       "n": ev["eval_n"], "by_level": by_level, "final": ev["event"] == "eval_final"})
+    dtype = str(resolve_dtype(cfg.model.dtype, resolve_device(cfg.device))).replace("torch.", "")
+    return {"points": points, "step_clocks": clocks, "generation_s": round(sum(gen), 3),
+            "update_s": round(sum(upd), 3), "per_step": [{"step": s, "generation_s": steps[s]["generation_s"],
+                                                          "update_s": steps[s]["training_s"],
+                                                          "reward_mean": steps[s].get("reward_mean"),
+                                                          "completion_len": steps[s].get("completion_len")}
+                                                         for s in order],
+            "dtype": dtype, "threads": torch.get_num_threads(), "process_train_wall_s": round(wall, 1),
+            "run_seconds": summary.get("seconds"), **peak_rss_mb()}
+
+
+class TorchLogProbHead:
+    """Stands in for TRL's fused log-prob kernel (`trl.trainer.utils._ChunkedLogProbFunction`) on a CPU.
+
+    TRL 1.15.0 computes GRPO's per-token log-probs with a Triton kernel and has no PyTorch fallback: without triton
+    the trainer fails at its first loss ('NoneType' object has no attribute 'apply'), and Triton kernels cannot
+    read CPU tensors anyway. This takes the kernel's arguments and returns the same (log_probs, entropy, ...) tuple,
+    computed by basis-lite's own chunked log-prob function (the one the basis arm trains with): the lm_head runs
+    on `chunk_size` tokens at a time, each chunk checkpointed, logits in fp32; the entropy is a metric (no grad).
+    Only what GRPO asks for is supported: log-probs and entropy.
+    """
+
+    chunk_size = 1024  # tokens per lm_head chunk: the arm's train.logprob_chunk_size, set by worker_trl
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, vocab_chunk_size, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=("log_probs", "entropy")):
+        import torch
+
+        from basis_lite.losses import chunked_token_logprobs
+
+        unsupported = [o for o in outputs if o not in ("log_probs", "entropy")]
+        if unsupported:
+            raise NotImplementedError(f"TorchLogProbHead: outputs {unsupported} are not computed")
+
+        class Head(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight, self.bias = weight, bias
+
+            def forward(self, h):
+                z = torch.nn.functional.linear(h, self.weight.to(h.dtype),
+                                               None if self.bias is None else self.bias.to(h.dtype))
+                z = z * logit_scale
+                if final_logit_softcapping:
+                    z = final_logit_softcapping * torch.tanh(z / final_logit_softcapping)
+                return z
+
+        ones = torch.ones(1, hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        lp, ent = chunked_token_logprobs(hidden.unsqueeze(0), Head(), targets.unsqueeze(0), ones,
+                                         chunk_size=TorchLogProbHead.chunk_size, temperature=temperature,
+                                         with_entropy="entropy" in outputs)
+        return lp[0], (ent[0] if ent is not None else None), None, None, None
+
+
+def basis_lite_function(name: str):
+    """A basis-lite setup function (make_engine, make_optimizer, make_scheduler, seed_everything) by name, from the
+    module that holds it: basis_lite.runtime / basis_lite.update, or basis_lite.trainer in older layouts."""
+    import importlib
+
+    for module in ("basis_lite.runtime", "basis_lite.update", "basis_lite.trainer"):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        if hasattr(mod, name):
+            return getattr(mod, name)
+    raise RuntimeError(f"basis_lite has no {name}() in runtime, update or trainer: bench/vs_trl.py needs updating")
+
+
+def trl_config_kwargs(cfg, group: int, steps: int, output_dir: str, use_cpu: bool) -> dict:
+    """GRPOConfig keyword arguments that mirror the basis-lite config (see the module docstring)."""
+    t, g = cfg.train, cfg.generation
+    rollouts = t.batch_size  # basis-lite's rollouts per step: batch_size prompts x 1
+    micro = t.micro_batch_size
+    if rollouts % group:
+        raise ConfigError(f"train.batch_size={rollouts} is not a multiple of {group}: TRL with G={group} needs "
+                          f"{rollouts}/{group} whole prompts per step")
+    if rollouts % micro:
+        raise ConfigError(f"train.batch_size={rollouts} is not a multiple of train.micro_batch_size={micro}")
+    return dict(
+        output_dir=output_dir, use_cpu=use_cpu, seed=t.seed, max_steps=steps,
+        # rollouts per optimizer step = per_device_train_batch_size (completions) x gradient_accumulation_steps;
+        # generation_batch_size defaults to that, so one generate() of all rollouts per optimizer step
+        per_device_train_batch_size=micro, gradient_accumulation_steps=rollouts // micro,
+        num_generations=group, num_iterations=1, shuffle_dataset=False,
+        max_completion_length=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+        learning_rate=t.lr, max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_steps,  # informational: the scheduler itself comes from basis-lite (optimizers=)
+        beta=t.kl_coef, epsilon=t.clip_low, epsilon_high=t.clip_high, loss_type="dapo",
+        mask_truncated_completions=False, entropy_coef=0.0, top_entropy_quantile=1.0,  # entropy: a metric only
+        # the model arrives in the resolved dtype; no mixed-precision autocast on top (basis-lite has none)
+        bf16=False, fp16=False,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+    )
+
+
+def worker_trl(spec: dict) -> dict:
+    """A TRL arm: GRPOTrainer on the same model, data, reward and schedule; eval with basis-lite's evaluate()."""
+    try:
+        import trl
+        import trl.trainer.utils as trl_utils
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError:
+        raise SystemExit(f"trl is not installed: {INSTALL_HINT}") from None
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from basis_lite.data import PromptSampler, format_prompt, load_examples
+    from basis_lite.evaluate import evaluate
+    from basis_lite.models import load_policy, resolve_device, resolve_dtype
+    from basis_lite.rewards import RewardScorer
+
+    make_engine, make_optimizer, make_scheduler, seed_everything = (
+        basis_lite_function(n) for n in ("make_engine", "make_optimizer", "make_scheduler", "seed_everything"))
+
+    cfg = load_config(spec["preset"], spec["overrides"])
+    group, steps, eval_every = spec["group"], cfg.train.steps, spec["eval_every"]
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)  # as train() does; 0 leaves torch's default (all cores)
+    threads = torch.get_num_threads()
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    logprob_head = "TRL's Triton kernel"
+    if trl_utils._ChunkedLogProbFunction is None or device.type == "cpu":
+        TorchLogProbHead.chunk_size = cfg.train.logprob_chunk_size
+        trl_utils._ChunkedLogProbFunction = TorchLogProbHead  # read by TRL's fused forward at each call
+        logprob_head = (f"basis-lite's chunked_token_logprobs (chunks of {cfg.train.logprob_chunk_size} tokens) in "
+                        f"place of TRL's Triton kernel, which needs triton and a GPU")
+    train_ex = load_examples(cfg.data, "train")
+    eval_ex = _limit_eval(load_examples(cfg.data, "eval"), spec.get("eval_limit"))
+    seed_everything(cfg.train.seed)  # the order train() uses: seed, then model + LoRA (same initial adapter)
+    model, tok = load_policy(cfg, device, dtype)
+    engine = make_engine(cfg, model, tok)  # eval only: TRL generates its rollouts itself
+    progress = spec["progress"]
+
+    def evaluate_now(desc: str) -> dict:  # the call train() makes for its evals
+        return evaluate(engine, tok, eval_ex, cfg.data, max_new_tokens=cfg.train.eval_max_new_tokens,
+                        require_boxed=cfg.reward.require_boxed, batch_size=cfg.train.eval_batch_size,
+                        progress=progress, desc=desc)
+
+    points = [_eval_point(0, 0.0, evaluate_now("eval (before)"))]
+    # the training prompts in the order basis-lite's sampler draws them (one full epoch)
+    order = next(PromptSampler(train_ex, len(train_ex), seed=cfg.train.seed))
+    dataset = Dataset.from_dict({"prompt": [format_prompt(tok, ex.question, cfg.data) for ex in order],
+                                 "answer": [ex.answer for ex in order]})
+    scorer = RewardScorer(cfg.reward)
+    timing = {"reward_s": 0.0, "generation_s": 0.0, "reward_sum": 0.0, "reward_n": 0}
+
+    def basis_lite_reward(prompts, completions, answer, **kwargs):
+        t0 = time.perf_counter()
+        total = scorer(list(prompts), list(completions), list(answer)).total
+        timing["reward_s"] += time.perf_counter() - t0
+        timing["reward_sum"] += sum(total)
+        timing["reward_n"] += len(total)
+        return total
+
+    per_step: list[dict] = []
+    clocks: list[float] = []
+    conf_kwargs = trl_config_kwargs(cfg, group, steps, str(Path(spec["run_dir"]) / "trl_output"),
+                                    use_cpu=device.type == "cpu")
+
+    class StepClock(TrainerCallback):
+        """Times each optimizer step (generation + reward + update) and runs the evals outside that time."""
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            timing.update(reward_s=0.0, generation_s=0.0, reward_sum=0.0, reward_n=0)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step_s = time.perf_counter() - self.t0
+            clock = step_s - timing["reward_s"]
+            clocks.append(clock)
+            step = state.global_step
+            per_step.append({"step": step, "step_s": round(step_s, 4), "reward_s": round(timing["reward_s"], 4),
+                             "generation_s": round(timing["generation_s"], 4),
+                             "update_s": round(clock - timing["generation_s"], 4),
+                             "reward_mean": timing["reward_sum"] / max(1, timing["reward_n"]),
+                             "threads": torch.get_num_threads()})
+            print(f"[{spec['arm']}] step {step}/{steps}: clock {clock:.1f}s (generation {timing['generation_s']:.1f}s, "
+                  f"update {clock - timing['generation_s']:.1f}s; reward {timing['reward_s']:.2f}s not counted), "
+                  f"reward {per_step[-1]['reward_mean']:.3f}", flush=True)
+            if eval_every and step % eval_every == 0 and step < steps:
+                points.append(_eval_point(step, sum(clocks), evaluate_now(f"eval (step {step})")))
+
+    optimizer = make_optimizer(cfg, model, device)
+    scheduler = make_scheduler(cfg, optimizer)
+    trainer = GRPOTrainer(model=model, reward_funcs=basis_lite_reward, args=GRPOConfig(**conf_kwargs),
+                          train_dataset=dataset, processing_class=tok, callbacks=[StepClock()],
+                          optimizers=(optimizer, scheduler))
+    generate = trainer._generate
+
+    def timed_generate(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = generate(*args, **kwargs)
+        timing["generation_s"] += time.perf_counter() - t0
+        return out
+
+    trainer._generate = timed_generate  # generation time, for the split in the table (the clock does not need it)
+    torch.set_num_threads(threads)  # whatever the trainer's setup did, train with the thread count basis-lite uses
+    t0 = time.time()
+    try:
+        trainer.train()
+    finally:
+        scorer.close()
+    wall = time.time() - t0
+    points.append(_eval_point(steps, sum(clocks), evaluate_now("eval (after)"), final=True))
+    model.save_pretrained(Path(spec["run_dir"]) / "adapter")
+    history = [h for h in trainer.state.log_history if "loss" in h or "reward" in h]
+    (Path(spec["run_dir"]) / "trl_log_history.json").write_text(json.dumps(history, indent=1, default=float))
+    zero_std = [h["frac_reward_zero_std"] for h in history if "frac_reward_zero_std" in h]
+    gen = sum(p["generation_s"] for p in per_step)
+    return {"points": points, "step_clocks": clocks, "generation_s": round(gen, 3),
+            "update_s": round(sum(clocks) - gen, 3), "reward_s": round(sum(p["reward_s"] for p in per_step), 3),
+            "per_step": per_step, "dtype": str(dtype).replace("torch.", ""),
+            "base_weight_dtype": str(next(p for p in model.parameters() if not p.requires_grad).dtype),
+            "threads": threads, "threads_during_steps": sorted({p["threads"] for p in per_step}),
+            "frac_groups_zero_std": round(sum(zero_std) / len(zero_std), 4) if zero_std else None,
+            "process_train_wall_s": round(wall, 1), "trl_config": {k: v for k, v in conf_kwargs.items()
+                                                                   if k != "output_dir"},
+            "trl": trl.__version__, "logprob_head": logprob_head, **peak_rss_mb()}
+
+
+def worker(spec_path: str) -> int:
+    """`python bench/vs_trl.py --worker SPEC.json`: one arm in this process (started by the driver)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    spec = json.loads(Path(spec_path).read_text())
+    result = worker_basis(spec) if spec["arm"] == "basis" else worker_trl(spec)
+    result.update(arm=spec["arm"], settings=spec["settings"], finished=datetime.now(timezone.utc).isoformat(
+        timespec="seconds"))
+    (Path(spec["run_dir"]) / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the driver
+
+
+def git_info() -> dict:
+    def run(*cmd):
+        try:
+            return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"git_commit": run("git", "rev-parse", "HEAD") or None,
+            "git_dirty": bool(run("git", "status", "--porcelain", "--untracked-files=no"))}
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
+    try:
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        info["cpus_usable"] = os.cpu_count()
+    flags: set[str] = set()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=20).stdout
+        for line in out.splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() == "Model name" and "cpu" not in info:
+                info["cpu"] = val.strip()
+            elif key.strip() == "Flags":
+                flags = set(val.split())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if not flags or "cpu" not in info:
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                key, _, val = line.partition(":")
+                if key.strip() == "model name" and "cpu" not in info:
+                    info["cpu"] = val.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(val.split())
+        except OSError:
+            pass
+    info["flags"] = {f: f in flags for f in CPU_FLAGS}
+    try:
+        info["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        info["loadavg"] = None
+    return info
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "trl", "peft", "accelerate", "datasets"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+NOT_MATCHED = [
+    "the advantage, by design: BASIS (one rollout per prompt, baseline pooled over the other prompts) against TRL's "
+    "GRPO (group mean, divided by the group std: scale_rewards='group', TRL's default).",
+    "zero-advantage rollouts: basis-lite skips their forward/backward (their tokens still count in the loss "
+    "divisor) and skips the optimizer step when no rollout has a non-zero advantage; TRL forwards every completion "
+    "and always steps AdamW (whose moments still move the weights on an all-zero step).",
+    "prompt length: TRL 1.15.0 has no max_prompt_length; basis-lite cuts prompts from the left to "
+    "model.max_seq_length - max_new_tokens tokens and the loss sequence at model.max_seq_length. The default "
+    "prompts (about 50 tokens) are far below both limits, so neither cuts anything.",
+    "generation batching: basis-lite calls generate() on chunks of generation.batch_size prompts, TRL on all "
+    "rollouts of a step at once (the same when the rollouts per step fit one chunk).",
+    "micro-batches: TRL shuffles a step's rollouts before splitting them into micro-batches of "
+    "per_device_train_batch_size, basis-lite orders its own; the summed gradient is the same.",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# driver: plan, run, report
+
+
+def plan(args) -> tuple[dict, dict]:
+    """({arm: spec}, shared settings); every arm's config is loaded and checked before anything runs."""
+    base = list(args.set or [])
+    cfg0 = load_config(args.preset, base)
+    steps = args.steps if args.steps is not None else cfg0.train.steps
+    eval_every = args.eval_every if args.eval_every is not None else (cfg0.train.eval_every or max(1, steps // 4))
+    overrides = base + [f"train.steps={steps}", f"train.eval_every={eval_every}"]
+    cfg = load_config(args.preset, overrides)
+    specs = {}
+    for arm in args.arms:
+        if arm not in ARMS:
+            raise ConfigError(f"--arms: unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+        group = GROUPS.get(arm, 1)
+        if arm != "basis":
+            trl_config_kwargs(cfg, group, steps, "", True)  # raises ConfigError on a batch size TRL cannot split
+        # the resolved config is part of the settings: an edited preset is not mistaken for the one already run
+        settings = {"arm": arm, "preset": args.preset, "overrides": overrides, "eval_limit": args.eval_limit,
+                    "group": group, "config": json.loads(json.dumps(to_dict(cfg), default=str))}
+        specs[arm] = {"arm": arm, "preset": args.preset, "overrides": overrides, "group": group,
+                      "eval_every": eval_every, "eval_limit": args.eval_limit, "progress": not args.quiet,
+                      "run_dir": str(args.runs / arm), "settings": settings,
+                      "prompts_per_step": cfg.train.batch_size // group, "rollouts_per_prompt": group}
+    t, g, lo = cfg.train, cfg.generation, cfg.lora
+    shared = {
+        "preset": args.preset, "model": cfg.model.name, "dataset": cfg.data.dataset, "steps": steps,
+        "eval_every": eval_every, "eval_limit": args.eval_limit, "rollouts_per_step": t.batch_size,
+        "set": base,
+        "shared": {"model.dtype (preset)": cfg.model.dtype, "lora r/alpha/dropout": f"{lo.r}/{lo.alpha}/{lo.dropout}",
+                   "lora target_modules": lo.target_modules, "lr": t.lr, "warmup_steps": t.warmup_steps,
+                   "schedule": t.schedule, "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
+                   "clip low/high": f"{t.clip_low}/{t.clip_high}", "kl_coef": t.kl_coef,
+                   "micro_batch_size": t.micro_batch_size, "gradient_checkpointing": cfg.model.gradient_checkpointing,
+                   "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
+                   "max_new_tokens": g.max_new_tokens, "eval_max_new_tokens": t.eval_max_new_tokens,
+                   "system_prompt": repr(cfg.data.system_prompt), "instruction": repr(cfg.data.instruction),
+                   "train_size": cfg.data.train_size, "eval_size": cfg.data.eval_size, "seed": t.seed,
+                   "threads": t.threads or "torch default (all cores)"},
+    }
+    return specs, shared
+
+
+def _loadavg():
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def run_arm(spec: dict, args) -> dict | None:
+    """The arm's result.json, from an earlier run with the same settings or from a fresh subprocess."""
+    arm_dir = Path(spec["run_dir"])
+    result_path = arm_dir / "result.json"
+    if result_path.exists() and not args.fresh:
+        old = json.loads(result_path.read_text())
+        if old.get("settings") == spec["settings"]:
+            print(f"[{spec['arm']}] done already ({arm_dir}): reused; --fresh runs it again", flush=True)
+            return old
+    if arm_dir.exists():
+        shutil.rmtree(arm_dir)
+    arm_dir.mkdir(parents=True)
+    spec_path = arm_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)]
+    print(f"[{spec['arm']}] {LABELS[spec['arm']]}: {spec['prompts_per_step']} prompts x {spec['rollouts_per_prompt']} "
+          f"rollouts per step -> {arm_dir}", flush=True)
+    load_before, t0 = _loadavg(), time.time()
+    if args.quiet:
+        with open(arm_dir / "log.txt", "w") as log:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env)
+    wall = time.time() - t0
+    if proc.returncode != 0 or not result_path.exists():
+        tail = (arm_dir / "log.txt").read_text()[-1500:] if args.quiet and (arm_dir / "log.txt").exists() else ""
+        print(f"[{spec['arm']}] FAILED (exit {proc.returncode}) after {wall:.0f} s" + (f":\n{tail}" if tail else ""),
+              file=sys.stderr, flush=True)
+        return None
+    result = json.loads(result_path.read_text())
+    result.update(process_wall_s=round(wall, 1), loadavg_before=load_before, loadavg_after=_loadavg())
+    result_path.write_text(json.dumps(result, indent=1, default=str))
+    print(f"[{spec['arm']}] finished in {wall:.0f} s (training clock {sum(result['step_clocks']):.0f} s, peak RSS "
+          f"{_mb(result.get('peak_rss_mb'))})", flush=True)
+    return result
+
+
+def build_report(specs: dict, shared: dict, results: dict, argv: list[str], machine: dict) -> dict:
+    arms = {}
+    for arm, res in results.items():
+        sp = specs[arm]
+        arms[arm] = summarize_arm(arm, res["points"], res["step_clocks"], extra={
+            "prompts_per_step": sp["prompts_per_step"], "rollouts_per_prompt": sp["rollouts_per_prompt"],
+            **{k: res.get(k) for k in ("generation_s", "update_s", "reward_s", "peak_rss_mb", "vmhwm_mb",
+                                       "ru_maxrss_mb", "threads", "dtype", "process_wall_s", "process_train_wall_s",
+                                       "frac_groups_zero_std", "loadavg_before", "loadavg_after", "finished")
+               if res.get(k) is not None}})
+    arm_order = [a for a in specs if a in arms]
+    report = {"benchmark": "basis-lite vs TRL GRPOTrainer: held-out accuracy vs training clock, peak RSS",
+              "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "command": "python bench/vs_trl.py " + " ".join(argv), **git_info(), "clock": CLOCK_NOTE,
+              "machine": machine, "versions": versions(), "arm_order": arm_order, "arms": arms,
+              "settings": dict(shared), "not_matched": list(NOT_MATCHED)}
+    st = report["settings"]
+    ns = {p["n"] for a in arms.values() for p in a["points"]}
+    st["eval_n"] = ns.pop() if len(ns) == 1 else sorted(ns)
+    dtypes = {a["dtype"] for a in arms.values() if a.get("dtype")}
+    st["dtype"] = dtypes.pop() if len(dtypes) == 1 else sorted(dtypes)
+    if isinstance(st["dtype"], list):
+        report["not_matched"].append(f"dtype: the arms resolved different dtypes {st['dtype']} (the preset changed "
+                                     f"between arms?)")
+    trl_res = next((results[a] for a in arm_order if a in GROUPS), None)
+    if trl_res:
+        st["trl_config"] = {k: v for k, v in trl_res.get("trl_config", {}).items() if k not in ("num_generations",)}
+        st["trl_config"]["num_generations"] = ", ".join(f"{GROUPS[a]} ({a})" for a in arm_order if a in GROUPS)
+    if trl_res and trl_res.get("logprob_head", "").startswith("basis-lite"):
+        report["not_matched"].append(
+            f"TRL's log-prob head: {trl_res['logprob_head']}. TRL 1.15.0 has no PyTorch fallback for it, so "
+            f"GRPOTrainer cannot train on a CPU as shipped; the TRL arms therefore score tokens with the same "
+            f"chunked function as basis-lite (bench/vs_trl.py: TorchLogProbHead).")
+    elif trl_res:
+        report["not_matched"].append("log-probs: TRL's fused Triton LM head and basis-lite's chunked log-softmax "
+                                     "compute the same quantity with different kernels (rounding-level differences).")
+    starts = {a: r["accuracy_before"] for a, r in arms.items()}
+    if len(set(starts.values())) > 1:
+        report["not_matched"].append(f"accuracy before training differs between arms ({starts}): the same model and "
+                                     f"eval should give the same greedy answers; check the run logs.")
+    if "basis" in arms:
+        report["headline"] = {a: headline(arms["basis"], arms[a]) for a in arm_order if a in GROUPS}
+    return report
+
+
+def write_outputs(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vs_trl.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "vs_trl.md").write_text(markdown(report))
+    write_png(report, out / "vs_trl.png")
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, help="training steps for every arm (default: the preset's train.steps)")
+    ap.add_argument("--eval-every", type=int, help="held-out eval every N steps (default: train.eval_every, else "
+                                                   "steps/4); plus before training and at the end")
+    ap.add_argument("--eval-limit", type=int, help="evaluate only the first N held-out problems (quick checks); "
+                                                   "the training split is unchanged")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list from {', '.join(ARMS)}")
+    ap.add_argument("--out", type=Path, help="results folder (default bench/results; with --quick <runs>/quick)")
+    ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "vs_trl", help="run folders (default runs/vs_trl)")
+    ap.add_argument("--quick", action="store_true", help="plumbing check: --steps 2 --eval-every 1 --eval-limit 8 "
+                                                         "unless given, results under the runs folder")
+    ap.add_argument("--preset", default=DEFAULT_PRESET, help=f"preset for every arm (default {DEFAULT_PRESET})")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override for every arm")
+    ap.add_argument("--fresh", action="store_true", help="run every arm again, even with a finished result")
+    ap.add_argument("--quiet", action="store_true", help="arm output to <runs>/<arm>/log.txt instead of the console")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps = 2 if args.steps is None else args.steps
+        args.eval_every = 1 if args.eval_every is None else args.eval_every
+        args.eval_limit = 8 if args.eval_limit is None else args.eval_limit
+    args.runs = args.runs.resolve()
+    if args.out is None:
+        args.out = args.runs / "quick" if args.quick else ROOT / "bench" / "results"
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    for name in ("steps", "eval_every", "eval_limit"):
+        v = getattr(args, name)
+        if v is not None and v < (0 if name == "eval_every" else 1):
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    try:
+        specs, shared = plan(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if any(a in GROUPS for a in specs):
+        import importlib.util
+
+        if importlib.util.find_spec("trl") is None:
+            print(f"error: the TRL arms need trl: {INSTALL_HINT}", file=sys.stderr)
+            return 2
+    machine = machine_info()
+    results, failed = {}, []
+    for arm, spec in specs.items():
+        res = run_arm(spec, args)
+        if res is None:
+            failed.append(arm)
+            continue
+        results[arm] = res
+        write_outputs(build_report(specs, shared, results, argv, machine), args.out)  # partial results survive
+    if not results:
+        print("no arm finished", file=sys.stderr)
+        return 1
+    report = build_report(specs, shared, results, argv, machine)
+    write_outputs(report, args.out)
+    print()
+    print_table(report)
+    print(f"wrote {args.out / 'vs_trl.json'}, vs_trl.md, vs_trl.png")
+    if failed:
+        print(f"failed arms: {', '.join(failed)} (see the output above or {args.runs}/<arm>/log.txt)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

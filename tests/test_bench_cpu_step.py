@@ -1,0 +1,185 @@
+"""bench/cpu_step.py's pure parts: the FLOP formulas against a hand count, the rows' ratio math, the tables, the
+results merge, the CPU-flag parsing, and the prefill/decode accounting of its forward hooks on the tiny model.
+No timing is asserted."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+from conftest import REPO
+
+SCRIPT = REPO / "bench" / "cpu_step.py"
+
+
+@pytest.fixture(scope="module")
+def cs():
+    spec = importlib.util.spec_from_file_location("bench_cpu_step", SCRIPT)
+    m = importlib.util.module_from_spec(spec)
+    sys.modules["bench_cpu_step"] = m
+    spec.loader.exec_module(m)
+    return m
+
+
+# the shape of builtin:tiny-random: hidden 64, 2 layers, 4 heads of 16, 2 KV heads, MLP 128, vocab 256 + 3
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=259)
+
+
+def test_shape_counts_by_hand(cs):
+    s = cs.Shape.from_config(TINY)
+    assert s.head_dim == 16
+    # per layer: q 64x64, k 64x32, v 64x32, o 64x64, gate/up 64x128, down 128x64
+    assert s.linear_params == 2 * (4096 + 2048 + 2048 + 4096 + 8192 + 8192 + 8192) == 73728
+    assert s.head_params == 64 * 259
+    assert s.attn_width == 4 * 16 * 2
+    # LoRA r=4 on all seven linears: r*(in+out) = 4*(128+96+96+128+192+192+192) per layer
+    assert s.lora_params(4) == 2 * 4096 == 8192
+    assert s.lora_params(4, ["q_proj", "v_proj"]) == 2 * 4 * (128 + 96)
+    assert cs.causal_pairs(10) == 55 and cs.causal_pairs(1) == 1
+
+
+def test_flop_formulas_by_hand(cs):
+    s = cs.Shape.from_config(TINY)
+    n, pairs, head, lora = 10, 55, 4, 8192  # one sequence of 10 positions, 4 completion tokens through lm_head
+    fwd = 2 * 73728 * 10 + 2 * 8192 * 10 + 4 * 128 * 55 + 2 * 16576 * 4
+    assert cs.forward_flops(s, n, pairs, head, lora) == fwd == 1799168
+    bwd = 2 * 73728 * 10 + 4 * 8192 * 10 + 8 * 128 * 55 + 4 * 16576 * 4
+    assert cs.backward_flops(s, n, pairs, head, lora) == bwd == 2123776
+    recompute = 2 * 73728 * 10 + 2 * 8192 * 10 + 4 * 128 * 55  # the decoder again, no lm_head
+    assert cs.backward_flops(s, n, pairs, head, lora, recompute=True) == bwd + recompute
+    # a pass that stops after layer 1 of 2 (BASIS features for vLLM): half the decoder, no lm_head
+    assert cs.forward_flops(s, n, pairs, 0, lora, layers=1) == (2 * 73728 * 10 + 2 * 8192 * 10 + 4 * 128 * 55) / 2
+
+
+def test_row_ratio_math_and_cells(cs):
+    r = cs.Row(variant="float32, gc on", engine="hf", dtype="float32", gc="on", part="train total", seconds=2.0,
+               tokens=100, flops=4e9, peak_gflops=10.0, rss_peak_mb=1234.4)
+    assert r.tokens_per_s == 50 and r.gflops_per_s == pytest.approx(2.0) and r.peak_ratio == pytest.approx(0.2)
+    cells = dict(zip(cs.TABLE_COLUMNS, cs.row_cells(r)))
+    assert cells["tok/s"] == "50.0" and cells["GFLOP"] == "4.0" and cells["GFLOP/s"] == "2.00"
+    assert cells["% peak"] == "20.0" and cells["RSS MB"] == "1234"
+    d = r.to_dict()
+    assert d["peak_ratio"] == pytest.approx(0.2) and cs.Row.from_dict(d) == r
+    empty = cs.Row(variant="v", engine="hf", dtype="float32", gc="-", part="reward", seconds=0.5)
+    assert empty.tokens_per_s is None and empty.gflops_per_s is None and empty.peak_ratio is None
+    assert dict(zip(cs.TABLE_COLUMNS, cs.row_cells(empty)))["% peak"] == "-"
+    assert cs.Row(variant="v", engine="hf", dtype="f", gc="-", part="p", seconds=1.0, flops=1e9).peak_ratio is None
+
+
+def test_cpu_flags_and_model(cs):
+    text = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx2 fma avx512f avx512_bf16\n"
+    assert cs.parse_cpu_flags(text) == {"avx2": True, "fma": True, "avx512f": True, "avx512_bf16": True,
+                                        "amx_bf16": False}
+    assert cs.parse_cpu_model(text) == "AMD EPYC"
+    assert not any(cs.parse_cpu_flags("flags: sse sse2").values())
+
+
+def _run(cs, engine, dtype, gen_s, tokens, overrides=(), startup=None):
+    rows = [cs.Row(variant=dtype, engine=engine, dtype=dtype, gc="-", part="gen total", seconds=gen_s,
+                   tokens=tokens, flops=1e9, peak_gflops=10.0).to_dict(),
+            cs.Row(variant=f"{dtype}, gc off", engine=engine, dtype=dtype, gc="off", part="train total", seconds=4.0,
+                   flops=2e10, peak_gflops=10.0).to_dict(),
+            cs.Row(variant=f"{dtype}, gc off", engine=engine, dtype=dtype, gc="off", part="step total",
+                   seconds=gen_s + 4.0).to_dict()]
+    if startup is not None:
+        rows.insert(0, cs.Row(variant=dtype, engine=engine, dtype=dtype, gc="-", part="startup",
+                              seconds=startup).to_dict())
+    machine = {"cpu_model": "X", "cores": 2, "cpu_flags": {"avx2": True, "avx512_bf16": False},
+               "torch": "2.x", "torch_cpu_capability": "AVX2", "torch_threads": 2, "git_commit": "abc",
+               "loadavg_start": [1.0], "loadavg_end": [1.5]}
+    return {"engine": engine, "dtype": dtype, "overrides": list(overrides), "gc": ["off"], "rows": rows,
+            "command": "python bench/cpu_step.py", "created": f"2000-01-01 00:00:0{len(rows)}", "machine": machine,
+            "peak": {"best": {dtype: 10.0}, "gemms": [{"dtype": dtype, "shape": [8, 8, 8], "layout": "a@b",
+                                                      "gflops": 10.0}]},
+            "batch": {"prompts": 4, "rollouts_per_prompt": 1, "max_new_tokens": 8, "temperature": 1.0,
+                      "micro_batch_size": 4, "lora_r": 4, "lora_params": 8192}}
+
+
+def test_merge_comparison_and_markdown(cs):
+    hf = _run(cs, "hf", "float32", 10.0, 200)
+    old_vllm = _run(cs, "vllm", "float32", 9.0, 200, startup=30.0)
+    doc = cs.merge_runs(None, [hf, old_vllm])
+    new_vllm = _run(cs, "vllm", "float32", 5.0, 200, startup=40.0)
+    small = _run(cs, "hf", "float32", 3.0, 50, overrides=["train.batch_size=8"])
+    doc = cs.merge_runs(doc, [new_vllm, small])
+    assert [(r["engine"], r["overrides"]) for r in doc["runs"]] == [
+        ("hf", []), ("vllm", []), ("hf", ["train.batch_size=8"])]
+    assert doc["runs"][1] is new_vllm  # same (engine, dtype, overrides): replaced
+    cmp_rows = cs.engine_comparison(doc)
+    by = {(r[0], r[1]): r for r in cmp_rows}
+    assert by[("float32", "vllm")][2] == "5.00" and by[("float32", "vllm")][4] == "40.0"  # 200 tokens / 5 s
+    assert by[("float32", "vllm")][5] == "40.0" and by[("float32", "vllm")][6] == "2.00x"  # HF 10 s / vLLM 5 s
+    assert by[("float32", "hf")][6] == "-"
+    assert ("float32 [train.batch_size=8]", "hf") in by
+    summary = cs.step_summary(doc)
+    assert ["float32, gc off", "hf", "10.0", "4.0", "14.0", "5.00", "50.0", "-"] in summary
+    md = cs.render_markdown(doc)
+    for text in ("avx2 yes", "avx512_bf16 no", "git commit abc", "| variant | engine | part |",
+                 "engines side by side", "train.batch_size=8"):
+        assert text in md, text
+
+
+def test_choose_variants(cs):
+    assert cs.choose_variants("float32", False, "hf", None, None) == (["float32", "bfloat16"], ["off", "on"])
+    assert cs.choose_variants("bfloat16", True, "vllm", None, None) == (["bfloat16", "float32"], ["on"])
+    assert cs.choose_variants("float32", True, "hf", "float32", "off") == (["float32"], ["off"])
+    with pytest.raises(SystemExit):
+        cs.choose_variants("float32", True, "hf", "float16", None)
+    with pytest.raises(SystemExit):
+        cs.choose_variants("float32", True, "hf", None, "maybe")
+
+
+def test_peak_skips_a_gemm_predicted_too_slow(cs, monkeypatch):
+    monkeypatch.setattr(cs, "PEAK_SKIP_S", 0.0)  # any larger shape is "too slow" once a smaller one was timed
+    p = cs.measure_peak(dtypes=("float32",), shapes=((16, 16, 16), (32, 32, 32)), layouts=("a@b", "a@w.T"),
+                        repeats=2)
+    done = [g for g in p["gemms"] if "gflops" in g]
+    skipped = [g for g in p["gemms"] if "gflops" not in g]
+    assert [g["shape"] for g in done] == [[16, 16, 16]] * 2 and [g["shape"] for g in skipped] == [[32, 32, 32]] * 2
+    assert all("skipped" in g["note"] for g in skipped)
+    assert p["best"]["float32"] == max(g["gflops"] for g in done) > 0
+
+
+def test_forward_recorder_splits_prefill_and_decode(cs):
+    """On the tiny model: one prefill over the left-padded prompts (one lm_head row each), then one decode call per
+    further token, each over every row and the whole cache."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from basis_lite.models import builtin_tiny_random_dir, load_tokenizer
+
+    path = str(builtin_tiny_random_dir())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = load_tokenizer(path)
+    enc = tok(["What is 1 + 2?", "Hi"], return_tensors="pt", padding=True, add_special_tokens=False)
+    B, T = enc.input_ids.shape
+    shape = cs.Shape.from_config(model.config)
+    rec = cs.ForwardRecorder(model)
+    try:
+        with torch.no_grad():
+            model.generate(**enc, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    finally:
+        rec.remove()
+    s = rec.summary(shape, lora=0)
+    assert s["prefill"]["calls"] == 1 and s["decode"]["calls"] == 3
+    assert s["prefill"]["positions"] == B * T and s["prefill"]["real"] == int(enc.attention_mask.sum())
+    assert s["prefill"]["flops"] == cs.forward_flops(shape, B * T, B * cs.causal_pairs(T), B, 0)
+    assert s["decode"]["positions"] == 3 * B
+    # decode step j (1-based) over T + j keys
+    assert s["decode"]["flops"] == sum(cs.forward_flops(shape, B, B * (T + j), B, 0) for j in (1, 2, 3))
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_vllm_generation_flops_by_hand(cs):
+    s = cs.Shape.from_config(TINY)
+    # two prompts of 3 and 5 tokens, n=1; completions of 2 and 1 tokens: one decode step (prompt 3, over 4 keys)
+    f = cs.vllm_generation_flops(s, [3, 5], [2, 1], 1, lora=0)
+    assert f["prefill_tokens"] == 8 and f["decode_tokens"] == 1
+    assert f["prefill_flops"] == cs.forward_flops(s, 3, 6, 1) + cs.forward_flops(s, 5, 15, 1)
+    assert f["decode_flops"] == cs.forward_flops(s, 1, 4, 1) == 2 * 73728 + 4 * 128 * 4 + 2 * 16576
+    # n=2: both sequences of the first prompt decode over that prompt's length
+    f2 = cs.vllm_generation_flops(s, [3, 5], [2, 3, 1, 1], 2, lora=0)
+    assert f2["decode_tokens"] == 3
+    one = cs.forward_flops
+    assert f2["decode_flops"] == one(s, 1, 4, 1) + one(s, 1, 4, 1) + one(s, 1, 5, 1)
