@@ -21,6 +21,14 @@ from .errors import ConfigError
 from .estimators import estimator_names, get_estimator
 
 
+def cache_root(cache_dir: str = "") -> Path:
+    """Where built-in models and prior tables are cached: model.cache_dir, else $BASIS_LITE_CACHE, else
+    $XDG_CACHE_HOME/basis-lite (~/.cache/basis-lite). Torch-free, so light commands (`plan`) can use it."""
+    root = cache_dir or os.environ.get("BASIS_LITE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "basis-lite")
+    return Path(root)
+
+
 def _preset_dir() -> Path:
     """The presets: inside the installed package (a wheel ships the top-level presets/ as basis_lite/presets), or
     the checkout's top-level presets/ folder (source tree, editable install)."""

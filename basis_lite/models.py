@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .config import cache_root
 from .errors import ModelError
 
 log = logging.getLogger("basis_lite")
@@ -36,12 +37,6 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def cache_root(cache_dir: str = "") -> Path:
-    root = cache_dir or os.environ.get("BASIS_LITE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "basis-lite")
-    return Path(root)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, ConfigError, load_config, preset_path
+from .config import Config, ConfigError, cache_root, load_config, preset_path
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5
@@ -118,13 +118,6 @@ def shape_from_config_json(path: str | os.PathLike, name: str = "") -> ModelShap
                       int(c["vocab_size"]), bool(c.get("tie_word_embeddings", False)))
 
 
-def _cache_root(cache_dir: str = "") -> Path:
-    """`models.cache_root` without importing torch (models.py does): `plan` stays a light command."""
-    root = cache_dir or os.environ.get("BASIS_LITE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "basis-lite")
-    return Path(root)
-
-
 def _table_key(name: str) -> str:
     key = name.rstrip("/").split("/")[-1].lower()
     for suffix in ("-unsloth-bnb-4bit", "-bnb-4bit", "-instruct"):
@@ -136,7 +129,7 @@ def model_shape(model_name: str, cache_dir: str = "") -> tuple[ModelShape, str]:
     """(shape, where it came from) without downloading anything."""
     if model_name in BUILTIN_ALIASES:
         if model_name == "builtin:smollm2-135m-instruct":
-            local = _cache_root(cache_dir) / "smollm2-135m-instruct" / "config.json"
+            local = cache_root(cache_dir) / "smollm2-135m-instruct" / "config.json"
             if local.exists():
                 return shape_from_config_json(local, "SmolLM2-135M-Instruct"), f"config.json in {local.parent}"
         return KNOWN_SHAPES[BUILTIN_ALIASES[model_name]], "built-in table"

@@ -141,10 +141,10 @@ def test_known_shapes_and_local_config(tmp_path):
 
 
 def test_plan_cache_root_matches_models(tmp_path, monkeypatch):
-    """plan.py keeps a torch-free copy of models.cache_root (to read the built-in model's config.json): the same
-    folder for every way of setting it."""
+    """plan.py reads the built-in model's config.json from the same cache folder as models.py, for every way of
+    setting it (one torch-free cache_root, in config.py)."""
     from basis_lite.models import cache_root
-    from basis_lite.plan import _cache_root
+    from basis_lite.plan import cache_root as _cache_root
 
     for env in ({"BASIS_LITE_CACHE": str(tmp_path / "a")}, {"XDG_CACHE_HOME": str(tmp_path / "xdg")}, {}):
         for key in ("BASIS_LITE_CACHE", "XDG_CACHE_HOME"):
