@@ -1,58 +1,57 @@
-"""Atomic checkpoints and exact resume.
+"""Verified checkpoints, exact resume, and nothing loaded that can run code.
 
 Layout of a run folder:
 
+    RUN_DIR/.lock                    held (flock) by the one training process writing the folder
     RUN_DIR/config.yaml              resolved config
     RUN_DIR/metrics.jsonl            one line per step (and eval lines)
-    RUN_DIR/checkpoints/step-000010/ adapter/ (peft), state.pt, config.yaml, COMPLETE
-    RUN_DIR/checkpoints/latest       name of the newest complete checkpoint
+    RUN_DIR/checkpoints/step-000010/ adapter/ (peft), state.json + state.safetensors, config.yaml, MANIFEST.json
+    RUN_DIR/checkpoints/latest       name of the newest checkpoint
     RUN_DIR/adapter/                 the final adapter (peft format)
 
-A checkpoint is written into `checkpoints/.tmp-step-N`, every file fsynced, the `COMPLETE` marker written last,
-then the folder is renamed into place and `latest` replaced atomically. A crash (SIGKILL, full disk) at any point
-leaves the previous checkpoint valid: a half-written folder never has the name or the marker a reader looks for.
+Writing: everything goes into `checkpoints/.tmp-step-N`, every file is fsynced, `MANIFEST.json` (size and sha256
+of every other file) is written last, then the folder is renamed into place and `latest` replaced atomically.
+
+Reading: a checkpoint counts only when its manifest is there and every file matches it. `latest_checkpoint` returns
+the newest intact checkpoint inside `checkpoints/` (symlinks out of it are not followed), logging each newer one it
+skipped and why; `latest` is a hint for people, and garbage in it is reported and ignored. The trainer state is JSON plus safetensors (optimizer moments,
+RNG states): no pickle, so a planted file cannot run code on `--resume`.
+
+Pruning (`train.keep_last`) deletes a checkpoint only when no reader pins it: `eval` and `export` hold a shared
+lock on the manifest of the checkpoint they load (`runs.resolve_target`).
 """
 from __future__ import annotations
 
-import errno
+import hashlib
+import json
+import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
-from .errors import DiskFullError
 from .faults import maybe_kill
+from .safeio import (
+    atomic_write_text,
+    disk_full_error,
+    fsync_tree,
+    inside,
+    is_disk_full,
+    pack_state,
+    try_exclusive,
+    unpack_state,
+)
 
-MARKER = "COMPLETE"
+log = logging.getLogger("basis_lite")
 
-
-def fsync_dir(path: Path) -> None:
-    """fsync a folder entry (best effort: some filesystems refuse it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    """fsync every file and folder below `path`, so a rename that publishes it is durable."""
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(root))
+MANIFEST = "MANIFEST.json"
+STATE_JSON, STATE_TENSORS = "state.json", "state.safetensors"
+NAME = re.compile(r"^step-\d{6,}$")
 
 
 def rng_state() -> dict:
@@ -63,20 +62,56 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    atomic_write_text(folder / MANIFEST, json.dumps({"files": entries}, indent=1))
+
+
+def verify(folder: Path) -> str | None:
+    """None when `folder` is an intact checkpoint, else why not (one line)."""
+    if not folder.is_dir():
+        return "missing"
+    if not (folder / MANIFEST).is_file():
+        if (folder / "state.pt").exists():
+            return "written by an older basis-lite (state.pt is a pickle, which is never loaded)"
+        return f"no {MANIFEST} (the write did not finish)"
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+        assert isinstance(files, dict)
+    except (ValueError, KeyError, TypeError, AssertionError, OSError) as e:
+        return f"unreadable {MANIFEST} ({type(e).__name__})"
+    for need in (STATE_JSON, STATE_TENSORS, "adapter/adapter_config.json"):
+        if need not in files:
+            return f"{MANIFEST} does not list {need}"
+    for rel, meta in files.items():
+        p = folder / rel
+        if ".." in Path(rel).parts or not inside(folder, p):
+            return f"{MANIFEST} names a path outside the checkpoint: {rel!r}"
+        if not p.is_file():
+            return f"{rel} is missing"
+        size = p.stat().st_size
+        if size != meta.get("bytes"):
+            return f"{rel} has {size} bytes, the manifest says {meta.get('bytes')}"
+        if _sha256(p) != meta.get("sha256"):
+            return f"{rel} does not match its sha256 in the manifest"
+    return None
 
 
 def save_checkpoint(run_dir: Path, step: int, model, state: dict, config_text: str, keep_last: int = 2) -> Path:
@@ -90,56 +125,79 @@ def save_checkpoint(run_dir: Path, step: int, model, state: dict, config_text: s
     try:
         tmp.mkdir()
         model.save_pretrained(tmp / "adapter")
-        torch.save(state, tmp / "state.pt")
+        tree, arrays = pack_state(state)
+        save_file({k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in arrays.items()},
+                  tmp / STATE_TENSORS)
+        (tmp / STATE_JSON).write_text(json.dumps(tree))
         (tmp / "config.yaml").write_text(config_text)
         fsync_tree(tmp)
         maybe_kill("checkpoint", step)
-        atomic_write_text(tmp / MARKER, str(step))
+        write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         atomic_write_text(ckdir / "latest", name)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # frees the space; the previous checkpoint is untouched
-        if _is_disk_full(e):
-
-            prev = latest_checkpoint(run_dir)
-            kept = (f"the last good checkpoint {prev.name} is kept" if prev is not None
-                    else "there is no earlier checkpoint")
-            raise DiskFullError(f"no space left on the disk while writing checkpoint {name} in {ckdir} ({e}); "
-                                f"{kept}. Free some space, then continue with `basis-lite train --resume "
-                                f"{run_dir}`") from e
+        if is_disk_full(e, ckdir):
+            prev = latest_checkpoint(run_dir, quiet=True)
+            kept = (f"The last good checkpoint {prev.name} is kept" if prev is not None
+                    else "There is no earlier checkpoint")
+            raise disk_full_error(f"checkpoint {name}", ckdir, e,
+                                  f"{kept}. Free some space, then continue with `basis-lite train --resume "
+                                  f"{run_dir}`") from e
         raise
-    complete = sorted(p for p in ckdir.glob("step-*") if (p / MARKER).exists())
-    for old in complete[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(ckdir, keep_last)
     return final
 
 
-def _is_disk_full(e: BaseException) -> bool:
-    """ENOSPC/EDQUOT, also when wrapped (safetensors and torch's zip writer re-raise it as their own errors)."""
-    for _ in range(8):  # a bounded walk down the cause chain
-        if e is None:
-            return False
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(s in str(e) for s in ("No space left on device", "StorageFull", "Disk quota exceeded")):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+def prune(ckdir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints, except those a reader has pinned."""
+    complete = sorted((p for p in ckdir.glob("step-*") if NAME.match(p.name) and (p / MANIFEST).exists()),
+                      key=_step_of)
+    for old in complete[:-keep_last] if keep_last > 0 else []:
+        fd = try_exclusive(old / MANIFEST)
+        if fd is None:
+            log.info("checkpoint %s is being read by another process; it is removed at a later save", old.name)
+            continue
+        try:
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run (falls back to scanning when `latest` is missing or stale)."""
-    ckdir = Path(run_dir) / "checkpoints"
+def _step_of(p: Path) -> int:
+    return int(p.name.split("-", 1)[1])
+
+
+def _candidates(ckdir: Path) -> list[Path]:
+    """Checkpoint folders inside `checkpoints/`, newest first. `latest` is a hint for people and older readers:
+    the newest intact folder wins whatever it says, and garbage in it is reported and ignored."""
     latest = ckdir / "latest"
-    if latest.exists():
-        cand = ckdir / latest.read_text().strip()
-        if (cand / MARKER).exists():
+    if latest.is_file():
+        text = latest.read_text(errors="replace").strip()
+        if not (NAME.match(text) and inside(ckdir, ckdir / text)):
+            log.warning("%s holds %r, not a checkpoint name; ignored", latest, text[:80])
+    return sorted((p for p in ckdir.glob("step-*") if NAME.match(p.name) and p.is_dir() and inside(ckdir, p)),
+                  key=_step_of, reverse=True)
+
+
+def latest_checkpoint(run_dir: Path, quiet: bool = False) -> Path | None:
+    """The newest intact checkpoint of a run; every newer one that fails verification is logged with the reason."""
+    ckdir = Path(run_dir) / "checkpoints"
+    if not ckdir.is_dir():
+        return None
+    for cand in _candidates(ckdir):
+        why = verify(cand)
+        if why is None:
             return cand
-    complete = sorted(p for p in ckdir.glob("step-*") if (p / MARKER).exists())
-    return complete[-1] if complete else None
+        if not quiet:
+            log.warning("skipping checkpoint %s: %s", cand, why)
+    return None
 
 
 def load_state(ckpt: Path) -> dict:
-    return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
+    """The trainer state of an (already verified) checkpoint: JSON + safetensors, no pickle."""
+    tree = json.loads((ckpt / STATE_JSON).read_text())
+    return unpack_state(tree, load_file(str(ckpt / STATE_TENSORS)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -89,6 +90,7 @@ def cmd_train(args) -> int:
     from basis_lite.runs import resume_config
     from basis_lite.trainer import train
 
+    signal.signal(signal.SIGTERM, _sigterm)  # stop like Ctrl-C: the reward worker closes, the lock is released
     if args.resume:
         cfg = resume_config(args.resume, args.overrides)
         summary = train(cfg, Path(args.resume), resume=True, progress=not args.no_progress)
@@ -105,6 +107,12 @@ def cmd_train(args) -> int:
     print(f"adapter saved to {summary['adapter']}  ({summary['seconds'] / 60:.1f} min; metrics in "
           f"{summary['run_dir']}/metrics.jsonl)")
     return 0
+
+
+def _sigterm(signum, frame):
+    from basis_lite.errors import Interrupted
+
+    raise Interrupted("SIGTERM")
 
 
 def cmd_presets(args) -> int:
@@ -190,16 +198,22 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING if not args.verbose else logging.DEBUG)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from basis_lite.errors import USER_ERRORS
+    from basis_lite.safeio import disk_full_error, is_disk_full
 
     try:
         return COMMANDS[args.command](args)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted; resume with `basis-lite train --resume RUN_DIR` (the last checkpoint is kept)",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        sig = getattr(e, "signal_name", "SIGINT")
+        print(str(e) if str(e) else f"stopped by {sig}", file=sys.stderr)
+        return 143 if sig == "SIGTERM" else 130
+    except (OSError, RuntimeError) as e:
+        if is_disk_full(e, Path.cwd()):  # a write the code did not expect to fail: one message, exit 2
+            print(f"error: {disk_full_error(args.command, Path.cwd(), e)}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
 
 
 if __name__ == "__main__":

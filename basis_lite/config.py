@@ -358,7 +358,9 @@ def to_dict(cfg: Config) -> dict:
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    from .safeio import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def load_config_file(path: str | os.PathLike) -> Config:

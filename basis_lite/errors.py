@@ -30,3 +30,11 @@ class TrainingAborted(RuntimeError):
 
 
 USER_ERRORS = (ConfigError, DataError, ModelError, RewardError, DiskFullError, TrainingAborted)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT or SIGTERM; the message names the run folder, what was kept and how to continue."""
+
+    def __init__(self, signal_name: str = "SIGINT", message: str = ""):
+        super().__init__(message or f"stopped by {signal_name}")
+        self.signal_name = signal_name

@@ -53,11 +53,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import fsync_dir, fsync_tree
 from .config import Config, save_config
 from .errors import ConfigError, DiskFullError, ModelError
 from .models import resolve_model_path
 from .runs import ADAPTER_RUN_CONFIG, Target, load_run_config, resolve_target
+from .safeio import fsync_dir, fsync_tree
 
 log = logging.getLogger("basis_lite")
 

@@ -13,16 +13,25 @@ import os
 from pathlib import Path
 
 from .errors import ConfigError
+from .safeio import atomic_write_text, disk_full_error, is_disk_full
 
 FILE = "metrics.jsonl"
 EVAL_EVENTS = ("eval", "eval_final")
 
 
 def append_line(path: Path, rec: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(rec, default=float) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Append one line, flushed and fsynced; a full disk raises DiskFullError (the earlier lines stay intact)."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec, default=float) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if is_disk_full(e, path):
+            raise disk_full_error(f"a line of {path.name}", path, e,
+                                  f"The lines before it and the last checkpoint are intact: free some space, then "
+                                  f"continue the run with `basis-lite train --resume {path.parent}`") from e
+        raise
 
 
 def read_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict], int]:
@@ -56,7 +65,8 @@ def read_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict], int]:
 
 
 def truncate_after(path: Path, last_step: int) -> None:
-    """Drop the lines written after `last_step` (their steps are redone on resume); atomic (temp + fsync + rename)."""
+    """Drop the lines written after the checkpoint of `last_step` (their steps are redone on resume): later steps
+    and the final eval, which always follows the last checkpoint. Atomic (temp + fsync + rename)."""
     if not path.exists():
         return
     keep = []
@@ -65,14 +75,14 @@ def truncate_after(path: Path, last_step: int) -> None:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by the kill
-        if isinstance(rec, dict) and rec.get("step", 0) <= last_step:
+        if isinstance(rec, dict) and rec.get("step", 0) <= last_step and rec.get("event") != "eval_final":
             keep.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write("".join(k + "\n" for k in keep))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        atomic_write_text(path, "".join(k + "\n" for k in keep))
+    except OSError as e:
+        if is_disk_full(e, path):
+            raise disk_full_error(path.name, path, e, "The file is unchanged: free some space and resume again") from e
+        raise
 
 
 def flat_eval(ev: dict) -> dict:
@@ -108,7 +118,7 @@ class MetricsLog:
                                     resume="allow")
 
     def start(self) -> None:
-        self.path.write_text("")
+        atomic_write_text(self.path, "")
 
     def resume(self, last_step: int) -> None:
         truncate_after(self.path, last_step)

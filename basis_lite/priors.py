@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +27,9 @@ from tqdm.auto import tqdm
 
 from .engines.base import SamplingParams
 from .errors import ConfigError
+from .safeio import atomic_write_text
+
+log = logging.getLogger("basis_lite")
 
 PSEUDO_COUNT = 4.0  # chosen with bench/value_mse.py (its x:*_pc rows compare pseudo-counts; bench/results/value_mse.md)
 
@@ -75,25 +80,47 @@ class _null:
 
 def load_or_compute_prior(cfg, cache_root: Path, engine, model, examples, prompts, scorer, params, k,
                           progress=True) -> dict:
-    """{"k": K, "counts": {id: successes}, "mean": m, "key": key, "seconds": s, "cached": bool}."""
-    import time
+    """{"k": K, "counts": {id: successes}, "mean": m, "key": key, "seconds": s, "cached": bool}.
 
+    A cache file that does not parse or does not cover these prompts is named in a warning, moved aside
+    (`<key>.json.corrupt-<time>`) and computed again; the new file is written atomically (temp + fsync + rename).
+    """
     key = prior_key(cfg, prompts, k)
     path = prior_cache_path(cache_root, key)
     if path.exists():
-        table = json.loads(path.read_text())
-        table["cached"] = True
-        return table
+        table, why = _read_table(path, key, [ex.id for ex in examples], k)
+        if table is not None:
+            table["cached"] = True
+            return table
+        aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(path, aside)
+        log.warning("prior cache file %s is damaged (%s); moved it to %s and computing the prior again", path,
+                    why, aside.name)
     t0 = time.time()
     counts = compute_prior_counts(engine, model, examples, prompts, scorer, params, k, progress=progress)
     mean = sum(counts.values()) / max(1, k * len(counts))
     table = {"k": k, "counts": counts, "mean": mean, "key": key, "seconds": time.time() - t0}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(table))
     table["cached"] = False
     return table
+
+
+def _read_table(path: Path, key: str, ids: list[str], k: int) -> tuple[dict | None, str]:
+    """(the cached table, "") when `path` holds a complete prior for these ids, else (None, why not)."""
+    try:
+        table = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    if not isinstance(table, dict) or table.get("key") != key or table.get("k") != k:
+        return None, "not the prior of this key"
+    counts = table.get("counts")
+    if not isinstance(counts, dict) or any(not isinstance(counts.get(i), int) or not 0 <= counts[i] <= k
+                                           for i in ids):
+        return None, "counts missing or out of range"
+    if not isinstance(table.get("mean"), (int, float)):
+        return None, "no mean"
+    return table, ""
 
 
 def compute_prior(cfg, samples: int = 0, progress: bool = True) -> dict:

@@ -49,6 +49,7 @@ class Target:
     run_dir: Path  # where results go by default (the run folder, or the adapter folder when there is none)
     adapter: Path | None  # peft adapter folder (None: a run folder without any saved adapter yet)
     config_path: Path  # the resolved basis-lite config of the run
+    pin_fd: int | None = None  # a shared lock on the checkpoint `adapter` lives in, held while this process reads it
 
 
 def _is_adapter_dir(p: Path) -> bool:
@@ -72,17 +73,32 @@ def resolve_target(path: str | Path) -> Target:
                           f"basis-lite needs the run's config to know the base model and the data")
     if (p / "config.yaml").is_file():
         adapter = p / "adapter"
+        fd = None
         if not _is_adapter_dir(adapter):
-            from .checkpoint import latest_checkpoint
-
-            last = latest_checkpoint(p)
-            if last is not None and _is_adapter_dir(last / "adapter"):
+            last, fd = _pinned_checkpoint(p)
+            if last is not None:
                 adapter = last / "adapter"
                 log.info("%s has no final adapter/ (unfinished run); using the newest checkpoint %s", p, last.name)
             else:
                 adapter = None
-        return Target(p, p, adapter, p / "config.yaml")
+        return Target(p, p, adapter, p / "config.yaml", fd)
     raise ConfigError(f"{p}: not a basis-lite run folder (no config.yaml) nor an adapter folder (no {ADAPTER_CONFIG})")
+
+
+def _pinned_checkpoint(run_dir: Path) -> tuple[Path | None, int | None]:
+    """(the newest intact checkpoint, the fd of a shared lock on it): a training process still writing the run
+    does not prune a checkpoint while this process reads it. The lock goes with the fd or the process."""
+    from .checkpoint import MANIFEST, latest_checkpoint
+    from .safeio import pin_fd
+
+    for _ in range(5):
+        last = latest_checkpoint(run_dir)
+        if last is None:
+            return None, None
+        fd = pin_fd(last / MANIFEST)
+        if fd is not None:
+            return last, fd
+    raise ConfigError(f"{run_dir}: its checkpoints kept changing while being read; try again")
 
 
 def load_run_config(target: Target, overrides: Sequence[str] = (), dataset: str | None = None) -> Config:
@@ -97,14 +113,37 @@ def load_run_config(target: Target, overrides: Sequence[str] = (), dataset: str 
 
 
 def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """The config a run to be resumed was started with; ConfigError when it is not a run or overrides are given."""
+    """The config a run to be resumed was started with; ConfigError when it is not a run, overrides are given, or
+    config.yaml was edited since the newest checkpoint saved its copy (a resumed run keeps its config)."""
+    from .checkpoint import latest_checkpoint
+
     cfg_path = Path(run_dir) / "config.yaml"
     if not cfg_path.exists():
         raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a basis-lite run folder?")
-    cfg = load_config_file(cfg_path)
     if overrides:
         raise ConfigError("--set cannot change a resumed run (its config is fixed); start a new run instead")
+    cfg = load_config_file(cfg_path)
+    last = latest_checkpoint(Path(run_dir))
+    if last is not None:
+        saved = load_config_file(last / "config.yaml")
+        changed = _diff(to_dict(saved), to_dict(cfg))
+        if changed:
+            raise ConfigError(f"--resume {run_dir}: config.yaml was changed after the run started ("
+                              + "; ".join(changed[:8]) + f"). A resumed run keeps the config it was started with "
+                              f"(a copy is in {last / 'config.yaml'}): put config.yaml back, or start a new run "
+                              f"with the new settings")
     return cfg
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: {va!r} -> {vb!r}")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

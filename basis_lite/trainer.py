@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -30,7 +31,7 @@ from . import checkpoint as ckpt
 from .config import Config, save_config, to_dict
 from .data import PromptSampler, format_prompt, load_examples
 from .engines.base import params_from_config
-from .errors import ConfigError, TrainingAborted
+from .errors import ConfigError, Interrupted, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
 from .estimators.base import explained_variance
 from .evaluate import evaluate
@@ -40,6 +41,7 @@ from .models import cache_root, count_parameters, peak_memory_mb
 from .priors import load_or_compute_prior, prior_values
 from .rewards import RewardScorer
 from .runtime import build_policy, seed_everything, setup_device
+from .safeio import RunLock, atomic_write_text, disk_full_error, held_by_other, is_disk_full, publish_dir
 from .update import make_optimizer, make_scheduler, policy_update
 
 log = logging.getLogger("basis_lite")
@@ -81,10 +83,23 @@ class RunState:
 
 
 def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, progress: bool = True) -> dict:
-    """Train to `train.steps` (from the latest checkpoint with `resume`); returns the run's summary."""
+    """Train to `train.steps` (from the newest intact checkpoint with `resume`); returns the run's summary.
+
+    The run folder is locked for the whole call (a second writer gets ConfigError naming this process). A
+    KeyboardInterrupt (Ctrl-C, or SIGTERM turned into `Interrupted` by the CLI) comes back as `Interrupted` with a
+    message that names the folder, the checkpoint kept and the command that continues the run.
+    """
     t_start = time.time()
-    run = setup(cfg, run_dir, resume, progress)
+    run_dir, created = claim_run_dir(cfg, run_dir, resume)
+    lock = RunLock(run_dir).acquire()
+    run = None
     try:
+        if resume and (done := finished_summary(run_dir, cfg)) is not None:
+            log.info("%s finished all %d steps already; nothing to resume (summary.json, adapter/)", run_dir,
+                     cfg.train.steps)
+            return done
+        run = setup(cfg, run_dir, resume, progress)
+        created = False  # from here on the folder holds a run worth keeping
         bar = tqdm(total=cfg.train.steps, initial=run.step, desc="train", disable=not progress, unit="step")
         for step in range(run.step + 1, cfg.train.steps + 1):
             batch = next(run.sampler)
@@ -108,13 +123,28 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
                                      cfg.train.keep_last)
         bar.close()
         return finish(run, t_start)
+    except KeyboardInterrupt as e:
+        raise Interrupted(getattr(e, "signal_name", "SIGINT"), _interrupt_message(run_dir, run, e)) from None
     finally:
-        run.metrics.close()
-        run.scorer.close()
+        if run is not None:
+            run.metrics.close()
+            run.scorer.close()
+        if created:  # nothing but the lock was written: leave no trace of a run that never started
+            shutil.rmtree(run_dir, ignore_errors=True)
+        lock.release()
+
+
+def _interrupt_message(run_dir: Path, run, e) -> str:
+    sig = getattr(e, "signal_name", "SIGINT")
+    where = f"during step {run.step + 1} of {run.cfg.train.steps}" if run is not None else "while setting up"
+    last = ckpt.latest_checkpoint(run_dir, quiet=True)
+    kept = (f"the checkpoint {last.name} is kept and the steps after it are redone" if last is not None else
+            "there is no checkpoint yet, so resuming starts it again from step 0 with its saved config")
+    return (f"stopped by {sig} {where}; {run_dir}: {kept}. Continue with `basis-lite train --resume {run_dir}`")
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# setup
+# the run folder
 
 
 def default_run_dir(cfg: Config) -> Path:
@@ -122,21 +152,69 @@ def default_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def setup(cfg: Config, run_dir: str | Path | None, resume: bool, progress: bool) -> RunState:
+def claim_run_dir(cfg: Config, run_dir, resume: bool) -> tuple[Path, bool]:
+    """(the run folder, whether this call created it). Without a folder given, `runs/<preset>-<time>` is claimed
+    with an exclusive mkdir (`-2`, `-3`, ... when that name is taken), so two runs started in the same second get
+    two folders. A given folder must not hold another run unless `resume`."""
+    given = run_dir or cfg.output_dir
+    if resume:
+        run_dir = Path(given)
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a basis-lite run folder?")
+        return run_dir, False
+    if given:
+        run_dir = Path(given)
+        if (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists():
+            holder = held_by_other(run_dir)
+            if holder:
+                raise ConfigError(f"run folder {run_dir} is in use by another basis-lite process ({holder}); "
+                                  f"choose another --output")
+            raise ConfigError(f"output folder {run_dir} already holds a run; pass --resume {run_dir} to continue "
+                              f"it or choose another --output")
+        created = not run_dir.exists()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir, created
+    base = default_run_dir(cfg)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for i in range(1, 1000):
+        cand = base if i == 1 else base.with_name(f"{base.name}-{i}")
+        try:
+            cand.mkdir()
+        except FileExistsError:
+            continue
+        return cand, True
+    raise ConfigError(f"could not find a free run folder name next to {base}; pass --output")
+
+
+def finished_summary(run_dir: Path, cfg: Config) -> dict | None:
+    """The summary of a run that already finished every step (summary.json and the final adapter are written last),
+    else None."""
+    path = run_dir / "summary.json"
+    if not (path.is_file() and (run_dir / "adapter" / "adapter_config.json").is_file()):
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return summary if summary.get("steps") == cfg.train.steps and summary.get("eval_after") else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# setup
+
+
+def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> RunState:
     """Load data, model, engine, reward scorer, optimizer and prior; restore a checkpoint or run the first eval.
 
-    Data loads first, so a bad dataset fails before minutes of model loading; the run folder is written only once
-    model, reward functions and optimizer loaded, so a user error leaves no trace.
+    `run_dir` is claimed and locked by `train`. Data loads first, so a bad dataset fails before minutes of model
+    loading; config.yaml and metrics are written only once model, reward functions and optimizer loaded. A run
+    resumed before its first checkpoint starts again from step 0 with its saved config.
     """
-    run_dir = Path(run_dir or cfg.output_dir or default_run_dir(cfg))
     device, dtype = setup_device(cfg)
     train_ex, eval_ex = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
     last = ckpt.latest_checkpoint(run_dir) if resume else None
     if resume and last is None:
-        raise ConfigError(f"--resume {run_dir}: no complete checkpoint found in {run_dir / 'checkpoints'}")
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(f"output folder {run_dir} already holds a run; pass --resume {run_dir} to continue it "
-                          f"or choose another --output")
+        log.info("%s has no intact checkpoint: starting it again from step 0 with its saved config", run_dir)
     seed_everything(cfg.train.seed)
     model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(last / "adapter") if last else None)
     n_train, n_total = count_parameters(model)
@@ -150,8 +228,8 @@ def setup(cfg: Config, run_dir: str | Path | None, resume: bool, progress: bool)
         # without loss scaling
         scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12) if (
             device.type == "cuda" and dtype == torch.float16) else None
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+        if not resume:
+            save_config(cfg, run_dir / "config.yaml")
         run = RunState(
             cfg=cfg, run_dir=run_dir, device=device, model=model, tok=tok, engine=engine, scorer=scorer,
             optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer), scaler=scaler,
@@ -334,9 +412,20 @@ def finish(run: RunState, t_start: float) -> dict:
     run.summary["eval_after"] = run_eval(run, "eval (after)")
     run.metrics.eval(cfg.train.steps, run.summary["eval_after"], final=True)
     final = run.run_dir / "adapter"
-    run.model.save_pretrained(final)
-    save_config(cfg, final / "basis_lite_config.yaml")
+    tmp = run.run_dir / ".tmp-adapter"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        run.model.save_pretrained(tmp)
+        save_config(cfg, tmp / "basis_lite_config.yaml")
+        publish_dir(tmp, final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e, run.run_dir):
+            raise disk_full_error("the final adapter", final, e,
+                                  f"The checkpoint of step {cfg.train.steps} is intact: free some space, then "
+                                  f"`basis-lite train --resume {run.run_dir}` writes the adapter") from e
+        raise
     run.summary.update({"adapter": str(final), "steps": cfg.train.steps, "seconds": time.time() - t_start,
                         "reward_warnings": run.scorer.warning_count})
-    (run.run_dir / "summary.json").write_text(json.dumps(run.summary, indent=2, default=str))
+    atomic_write_text(run.run_dir / "summary.json", json.dumps(run.summary, indent=2, default=str))
     return run.summary

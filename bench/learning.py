@@ -224,7 +224,7 @@ def _shown(path: Path) -> str:
 def _has_checkpoint(run_dir: Path) -> bool:
     """A complete checkpoint to resume from (as basis_lite.checkpoint.latest_checkpoint, without importing torch)."""
     ck = run_dir / "checkpoints"
-    return ck.is_dir() and any((p / "COMPLETE").exists() for p in ck.glob("step-*"))  # checkpoint.MARKER
+    return ck.is_dir() and any((p / "MANIFEST.json").exists() for p in ck.glob("step-*"))  # checkpoint.MANIFEST
 
 
 def run_arm(arm: str, plan: dict, args, runs: Path) -> dict:

@@ -191,16 +191,16 @@ def test_disk_full_while_checkpointing_keeps_the_last_good_checkpoint(tmp_path, 
 
     import basis_lite.checkpoint as ckpt
 
-    real_save = ckpt.torch.save
+    real_save = ckpt.save_file
     calls = []
 
-    def save(obj, f, *args, **kwargs):
+    def save(tensors, f, *args, **kwargs):
         calls.append(str(f))
-        if len(calls) == 2:  # the second checkpoint's state.pt
+        if len(calls) == 2:  # the second checkpoint's state.safetensors
             raise OSError(errno.ENOSPC, "No space left on device", str(f))
-        return real_save(obj, f, *args, **kwargs)
+        return real_save(tensors, f, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt.torch, "save", save)
+    monkeypatch.setattr(ckpt, "save_file", save)
     run = tmp_path / "run"
     rc = cli_main("train", "--preset", "smoke", *sets(VARIED), "--set", "train.steps=3", "--set", "train.save_every=1",
                   "--output", str(run), "--no-progress")

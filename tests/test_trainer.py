@@ -11,6 +11,8 @@ import pytest
 import torch
 from conftest import STEP_FIELDS, VARIED, adapter_weights, cli_main, read_lines, step_records, train_smoke
 
+from basis_lite import checkpoint as ckpt
+
 
 def _train(tmp_path, name, overrides) -> Path:
     return train_smoke(tmp_path / name, *overrides)
@@ -58,7 +60,7 @@ def test_smoke_cli_end_to_end(smoke_run):
     saved = [s for s in range(1, t.steps + 1) if s % t.save_every == 0 or s == t.steps][-t.keep_last:]
     ck = run / "checkpoints"
     assert sorted(p.name for p in ck.glob("step-*")) == [f"step-{s:06d}" for s in saved]
-    assert all((ck / f"step-{s:06d}" / "COMPLETE").exists() for s in saved)
+    assert all(ckpt.verify(ck / f"step-{s:06d}") is None for s in saved)
     assert (ck / "latest").read_text().strip() == f"step-{t.steps:06d}"
 
 

@@ -1,0 +1,289 @@
+"""Files a run writes and reads, safely: atomic writes, full disks recognised, one writer per run folder, pinned
+readers, paths that stay inside a folder, and a pickle-free format for nested state. Torch-free.
+
+    atomic_write_text(path, text) / atomic_write_bytes(path, data)   temp file + fsync + rename + fsync of the folder
+    publish_dir(tmp, final)                 fsync a finished folder, then rename it into place (replacing `final`)
+    is_disk_full(exc, path)                 ENOSPC/EDQUOT, whichever layer raised it (also re-wrapped by C++ code)
+    RunLock(run_dir).acquire()              exclusive flock on RUN_DIR/.lock; a second writer gets ConfigError
+    pin_fd(path)                            a shared flock that keeps a checkpoint from being pruned while read
+    inside(base, path)                      True when `path` resolves inside `base`
+    pack_state(obj) -> (json_tree, arrays)  nested dicts/lists/tuples/ndarrays -> JSON + a flat {name: ndarray}
+    unpack_state(json_tree, arrays)         the inverse; nothing in it can run code
+
+The run lock uses flock(2): the kernel drops it when the holding process dies however it dies, so a lock left by a
+killed run is free again and the next writer takes it over without any clean-up. The PID written into the lock
+file only names the holder in the error message.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import time
+from pathlib import Path
+
+from .errors import ConfigError, DiskFullError
+
+LOCK_FILE = ".lock"
+# a write that failed on a filesystem with less than this left is reported as a full disk, whatever the exception
+# (torch's and other C++ writers turn ENOSPC into `RuntimeError: basic_ios::clear: iostream error`)
+LOW_SPACE_BYTES = 1 << 20
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# atomic writes
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder entry (best effort: some filesystems refuse it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file and folder below `path`, so a rename that publishes it is durable."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so that a reader sees the old file or the whole new one, never a part of it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """fsync the finished folder `tmp` and rename it to `final`; an existing `final` is replaced only after the new
+    folder is complete on disk (moved aside, then removed), so a crash leaves one whole version under some name."""
+    fsync_tree(tmp)
+    old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def is_disk_full(e: BaseException | None, path: str | os.PathLike | None = None) -> bool:
+    """True for ENOSPC/EDQUOT anywhere in the cause chain, or for a failed write (OSError/RuntimeError) where the
+    filesystem of `path` has almost no space left (C++ writers hide the errno)."""
+    first = e
+    for _ in range(8):  # a bounded walk down the cause chain
+        if e is None:
+            break
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(s in str(e) for s in ("No space left on device", "StorageFull", "Disk quota exceeded")):
+            return True
+        e = e.__cause__ or e.__context__
+    if path is not None and isinstance(first, (OSError, RuntimeError)):
+        free = free_bytes(path)
+        return free is not None and free < LOW_SPACE_BYTES
+    return False
+
+
+def disk_full_error(what: str, path: str | os.PathLike, e: BaseException, kept: str = "") -> DiskFullError:
+    where = Path(path)
+    free = free_bytes(where)
+    left = f"{free / 2**20:.1f} MiB left" if free is not None else "free space unknown"
+    return DiskFullError(f"no space left on the disk while writing {what} ({where}; {left}; {type(e).__name__}: "
+                         f"{e}). {kept}".strip())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one writer per run folder, readers pin what they read
+
+
+class RunLock:
+    """An exclusive lock on a run folder for the lifetime of a training process (flock on RUN_DIR/.lock)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise ConfigError(f"run folder {self.run_dir} is in use by another basis-lite process ({holder}); "
+                              f"one run folder takes one writer: wait for it to finish, stop it, or choose "
+                              f"another --output") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        os.fsync(fd)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 200, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "PID unknown"
+
+
+def held_by_other(run_dir: str | os.PathLike) -> str | None:
+    """The holder's line when another process holds RUN_DIR's lock, else None (nothing is created)."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_holder(fd)
+    finally:
+        os.close(fd)  # closing drops the probe lock
+    return None
+
+
+def pin_fd(path: str | os.PathLike) -> int | None:
+    """A shared flock on `path` held until the returned fd is closed (or the process ends); None when `path` is
+    gone (pruned between finding and pinning it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    if not Path(path).exists():
+        os.close(fd)
+        return None
+    return fd
+
+
+def try_exclusive(path: str | os.PathLike) -> int | None:
+    """An exclusive, non-blocking flock on `path`: the fd (close it to release) or None when a reader holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def inside(base: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """True when `path` (symlinks resolved) lies inside `base`."""
+    try:
+        Path(path).resolve().relative_to(Path(base).resolve())
+    except (ValueError, OSError):
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nested state without pickle: JSON for the structure, a flat dict of arrays for the numbers
+
+
+def pack_state(obj, prefix: str = "s") -> tuple[object, dict]:
+    """(a JSON-able tree, {name: array}) for nested dicts (any keys), lists, tuples, scalars, numpy arrays and
+    torch tensors; a tensor comes back as a tensor, an ndarray as an ndarray."""
+    arrays: dict = {}
+
+    def walk(x, key: str):
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if type(x).__module__ == "torch" and type(x).__name__ == "Tensor":
+            arrays[key] = x.detach().cpu().contiguous()
+            return {"__tensor__": key}
+        if type(x).__module__ == "numpy" and type(x).__name__ == "ndarray":
+            arrays[key] = x
+            return {"__ndarray__": key}
+        if hasattr(x, "item") and type(x).__module__ == "numpy":  # a numpy scalar
+            return x.item()
+        if isinstance(x, dict):
+            if all(isinstance(k, str) and not k.startswith("__") for k in x):
+                return {k: walk(v, f"{key}.{k}") for k, v in x.items()}
+            return {"__items__": [[walk(k, f"{key}.k{i}"), walk(v, f"{key}.{i}")]
+                                  for i, (k, v) in enumerate(x.items())]}
+        if isinstance(x, tuple):
+            return {"__tuple__": [walk(v, f"{key}.{i}") for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [walk(v, f"{key}.{i}") for i, v in enumerate(x)]
+        raise TypeError(f"cannot store {type(x).__name__} at {key} in a checkpoint")
+
+    return walk(obj, prefix), arrays
+
+
+def unpack_state(tree, arrays: dict):
+    """Rebuild what `pack_state` stored; `arrays` maps names to tensors (ndarray entries are converted back)."""
+
+    def walk(x):
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        if "__tensor__" in x:
+            return arrays[x["__tensor__"]]
+        if "__ndarray__" in x:
+            return arrays[x["__ndarray__"]].numpy()
+        if "__tuple__" in x:
+            return tuple(walk(v) for v in x["__tuple__"])
+        if "__items__" in x:
+            return {walk(k): walk(v) for k, v in x["__items__"]}
+        return {k: walk(v) for k, v in x.items()}
+
+    return walk(tree)
