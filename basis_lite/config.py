@@ -1,7 +1,11 @@
 """Typed run configuration: one dataclass tree, loaded from a preset YAML, overridden with `--set a.b=c`, validated once.
 
-Every error names the bad key and what would be accepted, and is raised as `ConfigError` (the CLI turns it into
-exit code 2 before anything is written).
+Every key has a meaning (HELP) and every numeric key a range (RANGES), both printed by `basis-lite config`
+(`describe_config`); `validate` checks types, ranges, choices, the estimator's options and the combinations. TRL's
+GRPOConfig names with the same meaning are read as their key here (ALIASES); names whose meaning differs are
+refused with what to write (REFUSED); unknown keys get a did-you-mean. Every error names the bad key, the value and
+what would be accepted, and is raised as `ConfigError` (the CLI turns it into exit code 2 before anything is
+written). Torch-free: the light commands (`config`, `plan`, `presets`) use it.
 """
 from __future__ import annotations
 
@@ -552,7 +556,7 @@ def get(cfg: Config, key: str) -> Any:
 
 def _bad_value(key: str, value: Any, expected: str) -> ConfigError:
     meaning = HELP.get(key)
-    return ConfigError(f"{key}: must be {expected}, got {value!r}" + (f" ({meaning})" if meaning else ""))
+    return ConfigError(f"{key}: must be {expected}, got {value!r}" + (f". Meaning: {meaning}" if meaning else ""))
 
 
 def validate(cfg: Config) -> None:
