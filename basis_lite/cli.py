@@ -8,6 +8,8 @@
     basis-lite plan    [--preset ...] [--gpu-memory GiB] [--all]   memory estimate by part
     basis-lite plot    RUN_DIR [--out DIR]              PNG charts of a run's metrics
     basis-lite presets                                   list the presets
+    basis-lite config  [--preset ...] [--set ...]       print the resolved config: every key, its value and meaning
+    basis-lite --version
 
 Also runs as `python -m basis_lite ...` or, from a source checkout, `python cli.py ...`. Bad input exits with
 code 2 and one message naming the problem.
@@ -32,10 +34,41 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                         "(values are parsed as YAML; repeatable)")
 
 
+def version_text() -> str:
+    """'basis-lite X (python Y; torch Z, transformers W)': versions from the installed metadata, nothing imported."""
+    import importlib.metadata as md
+    import platform
+    import re
+
+    def ver(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    own = ver("basis-lite")
+    if own is None:  # a source checkout that is not installed: the version pyproject.toml declares
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        m = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M) if pyproject.is_file() else None
+        own = f"{m.group(1)} (source checkout, not installed)" if m else "unknown"
+    deps = ", ".join(f"{d} {ver(d) or 'not installed'}" for d in ("torch", "transformers", "peft"))
+    return f"basis-lite {own} (python {platform.python_version()}; {deps})"
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="basis-lite", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    ap.add_argument("--version", action=_VersionAction)
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a LoRA adapter with RL (default: SmolLM2-135M on arithmetic, CPU)")
@@ -77,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="folder for the PNGs (default RUN_DIR/plots)")
 
     sub.add_parser("presets", help="list the presets, one line each")
+
+    p = sub.add_parser("config", help="print the resolved config: every key, its value, its meaning and accepted "
+                                      "values (a preset file: save it and pass it to --preset)")
+    _add_config_args(p)
     return ap
 
 
@@ -97,10 +134,14 @@ def cmd_train(args) -> int:
     else:
         cfg = load_config(args.preset, args.overrides)
         summary = train(cfg, args.output, progress=not args.no_progress)
-    before, after = summary.get("eval_before") or {}, summary["eval_after"]
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after")
     print()
-    print(f"held-out accuracy (greedy, n={after['n']}): before {before.get('accuracy', float('nan')):.3f} -> "
-          f"after {after['accuracy']:.3f}")
+    if not after:
+        print(f"no held-out accuracy: the eval split is empty (data.eval_size={cfg.data.eval_size})")
+        after = {}
+    else:
+        print(f"held-out accuracy (greedy, n={after['n']}): before {before.get('accuracy', float('nan')):.3f} -> "
+              f"after {after['accuracy']:.3f}")
     for lvl, v in after.get("by_level", {}).items():
         b = (before.get("by_level") or {}).get(lvl, {}).get("accuracy", float("nan"))
         print(f"  level {lvl}: {b:.3f} -> {v['accuracy']:.3f} (n={v['n']})")
@@ -122,6 +163,19 @@ def cmd_presets(args) -> int:
     width = max(len(n) for n in names)
     for n in names:
         print(f"{n:<{width}}  {preset_summary(n)}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    from basis_lite.config import describe_config, load_config
+
+    cfg = load_config(args.preset, args.overrides)
+    head = f"# basis-lite config: preset {cfg.preset or args.preset}"
+    if args.overrides:
+        head += " with --set " + " --set ".join(args.overrides)
+    print(head + "\n# Every key with its meaning, [accepted values] and (default) where it differs. Save this and "
+                 "run it with\n# `basis-lite train --preset FILE.yaml`.\n")
+    print(describe_config(cfg), end="")
     return 0
 
 
@@ -187,7 +241,7 @@ def cmd_plot(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "prior": cmd_prior, "plan": cmd_plan,
-            "plot": cmd_plot, "presets": cmd_presets}
+            "plot": cmd_plot, "presets": cmd_presets, "config": cmd_config}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,12 +1,19 @@
 """Typed run configuration: one dataclass tree, loaded from a preset YAML, overridden with `--set a.b=c`, validated once.
 
-Every error names the bad key and what would be accepted, and is raised as `ConfigError` (the CLI turns it into
-exit code 2 before anything is written).
+Every key has a meaning (HELP) and every numeric key a range (RANGES), both printed by `basis-lite config`
+(`describe_config`); `validate` checks types, ranges, choices, the estimator's options and the combinations. TRL's
+GRPOConfig names with the same meaning are read as their key here (ALIASES); names whose meaning differs are
+refused with what to write (REFUSED); unknown keys get a did-you-mean. Every error names the bad key, the value and
+what would be accepted, and is raised as `ConfigError` (the CLI turns it into exit code 2 before anything is
+written). Torch-free: the light commands (`config`, `plan`, `presets`) use it.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.resources
+import logging
+import math
 import os
 import re
 import types
@@ -19,6 +26,8 @@ import yaml
 
 from .errors import ConfigError
 from .estimators import estimator_names, get_estimator
+
+log = logging.getLogger(__name__)
 
 
 def cache_root(cache_dir: str = "") -> Path:
@@ -79,6 +88,7 @@ class DataConfig:
     instruction: str = "Put the final answer in \\boxed{}."
     max_bad_fraction: float = 0.05  # abort when more than this share of rows is malformed
     seed: int = 1234
+    max_question_chars: int = 20000  # longer questions are cut to their last N characters when loaded (0 = no limit)
 
 
 @dataclass
@@ -140,6 +150,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 0  # torch CPU threads (0 = all cores)
     report_to: list = field(default_factory=list)  # extra loggers: tensorboard, wandb (metrics.jsonl always)
+    wandb_project: str = ""  # W&B project ("" = $WANDB_PROJECT, else basis-lite)
 
 
 @dataclass
@@ -166,13 +177,241 @@ CHOICES = {
     "train.optimizer": ("auto", "adamw", "adamw8bit"),
     "train.loss": ("ppo_clip", "bpo"),
 }
-POSITIVE = ("train.steps", "train.batch_size", "train.micro_batch_size", "generation.max_new_tokens",
-            "generation.batch_size", "estimator.rollouts_per_prompt", "lora.r", "model.max_seq_length",
-            "train.eval_batch_size", "train.eval_max_new_tokens", "train.save_every", "train.keep_last",
-            "train.max_bad_steps")
-NON_NEGATIVE = ("train.lr", "train.weight_decay", "train.warmup_steps", "train.kl_coef", "train.eval_every",
-                "estimator.prior_samples", "data.eval_size", "data.train_size", "generation.temperature",
-                "reward.timeout_s", "train.threads", "train.clip_low", "train.clip_high")
+
+
+@dataclass(frozen=True)
+class Range:
+    """The accepted values of one numeric key: finite, between lo and hi (open or closed ends; None = unbounded)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def contains(self, v: float) -> bool:
+        if not math.isfinite(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return not (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi))
+
+    def describe(self, integer: bool) -> str:
+        kind = "an integer" if integer else "a number"
+
+        def num(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+        if self.lo is None and self.hi is None:
+            return f"{kind}" if integer else "a finite number"
+        if self.hi is None:
+            return f"{kind} {'>' if self.lo_open else '>='} {num(self.lo)}"
+        if self.lo is None:
+            return f"{kind} {'<' if self.hi_open else '<='} {num(self.hi)}"
+        return f"{kind} in {'(' if self.lo_open else '['}{num(self.lo)}, {num(self.hi)}{')' if self.hi_open else ']'}"
+
+
+ANY = Range()
+POS = Range(0, lo_open=True)  # > 0
+NONNEG = Range(0)  # >= 0
+AT_LEAST_1 = Range(1)
+UNIT_OPEN = Range(0, 1, lo_open=True, hi_open=True)  # (0, 1)
+
+# every int and float key and its accepted values, checked at load (tests/test_config.py checks none is missing)
+RANGES: dict[str, Range] = {
+    "model.max_seq_length": AT_LEAST_1,
+    "model.gpu_memory_utilization": UNIT_OPEN,
+    "lora.r": AT_LEAST_1,
+    "lora.alpha": POS,
+    "lora.dropout": Range(0, 1, hi_open=True),
+    "data.train_size": NONNEG,
+    "data.eval_size": NONNEG,
+    "data.max_bad_fraction": Range(0, 1),
+    "data.seed": ANY,
+    "data.max_question_chars": NONNEG,
+    "generation.temperature": POS,
+    "generation.top_p": Range(0, 1, lo_open=True),
+    "generation.top_k": Range(-1),
+    "generation.max_new_tokens": AT_LEAST_1,
+    "generation.batch_size": AT_LEAST_1,
+    "reward.correctness_weight": ANY,
+    "reward.format_weight": ANY,
+    "reward.timeout_s": NONNEG,
+    "estimator.rollouts_per_prompt": AT_LEAST_1,
+    "estimator.prior_samples": NONNEG,
+    "train.steps": AT_LEAST_1,
+    "train.batch_size": AT_LEAST_1,
+    "train.micro_batch_size": AT_LEAST_1,
+    "train.lr": POS,
+    "train.weight_decay": NONNEG,
+    "train.warmup_steps": NONNEG,
+    "train.max_grad_norm": POS,
+    "train.clip_low": Range(0, 1, hi_open=True),
+    "train.clip_high": NONNEG,
+    "train.bpo_cap": POS,
+    "train.bpo_eps": POS,
+    "train.kl_coef": NONNEG,
+    "train.logprob_chunk_size": AT_LEAST_1,
+    "train.eval_every": NONNEG,
+    "train.eval_batch_size": AT_LEAST_1,
+    "train.eval_max_new_tokens": AT_LEAST_1,
+    "train.save_every": AT_LEAST_1,
+    "train.keep_last": AT_LEAST_1,
+    "train.max_bad_steps": AT_LEAST_1,
+    "train.seed": Range(0, 2**32 - 1),  # numpy's seed range
+    "train.threads": NONNEG,
+}
+MIN_PROMPT_TOKENS = 16  # runtime.make_engine leaves prompts at least this many of model.max_seq_length
+
+# What every key means (`basis-lite config` prints it above the key; tests/test_config.py checks none is missing)
+HELP: dict[str, str] = {
+    "preset": "name or path of the preset this config came from (informational)",
+    "output_dir": "run folder; '' = runs/<preset>-<time> (train --output overrides it)",
+    "device": "where to train: auto (cuda when available, else cpu) | cpu | cuda",
+    "model.name": "the base model: builtin:smollm2-135m-instruct | builtin:tiny-random (tests, built on the fly) | "
+                  "a Hugging Face hub id | a local folder",
+    "model.backend": "auto (unsloth on CUDA when it imports, else hf) | hf (transformers + peft) | unsloth (GPU)",
+    "model.dtype": "compute dtype: auto (bf16 where supported and fast, fp16 on pre-Ampere GPUs, fp32 otherwise) | "
+                   "float32 | bfloat16 | float16",
+    "model.load_in_4bit": "load the frozen base in bitsandbytes NF4 with double quantization (GPU presets)",
+    "model.max_seq_length": "prompt + completion tokens; longer prompts lose their start",
+    "model.gradient_checkpointing": "recompute activations in the backward pass (less memory, more time); off "
+                                    "while generating",
+    "model.fast_inference": "unsloth backend only: an in-process vLLM sharing the 4-bit weights",
+    "model.gpu_memory_utilization": "unsloth / vLLM: the share of GPU memory vLLM may take for weights + KV cache",
+    "model.unsloth_standby": "unsloth: UNSLOTH_VLLM_STANDBY=1, vLLM frees its KV cache while training",
+    "model.cache_dir": "where built-in models and prior tables are cached; '' = $BASIS_LITE_CACHE, else "
+                       "~/.cache/basis-lite",
+    "lora.r": "LoRA rank",
+    "lora.alpha": "LoRA alpha; the adapter's output is scaled by alpha / r",
+    "lora.dropout": "dropout on the LoRA input while training",
+    "lora.target_modules": "'all-linear' or a list of module names such as [q_proj, v_proj]",
+    "data.dataset": "arithmetic | algebra | wordproblems (built in, generated, seeded) | gsm8k | math (hub) | "
+                    "hf:owner/name[:config] (any hub dataset, with question_field / answer_field) | a local "
+                    ".jsonl/.json/.csv/.parquet file",
+    "data.levels": "built-in tasks: the difficulty levels to draw from",
+    "data.train_size": "training problems: a count for built-in tasks; a cap for hub datasets and files (0 = all)",
+    "data.eval_size": "held-out problems for eval (0 = no eval)",
+    "data.question_field": "hf: datasets and files: the field holding the question",
+    "data.answer_field": "hf: datasets and files: the field holding the answer (text after ####, or the last "
+                         "\\boxed{}, is the gold answer)",
+    "data.split_train": "hub datasets: the training split",
+    "data.split_eval": "hub datasets: the eval split",
+    "data.system_prompt": "system message; '' = none (a chat template's own default is removed too)",
+    "data.instruction": "appended to every question",
+    "data.max_bad_fraction": "stop loading when more than this share of rows is malformed (below it they are "
+                             "skipped and counted)",
+    "data.seed": "seed of the built-in tasks' draw and of the train/eval split of files",
+    "data.max_question_chars": "longer questions are cut to their last N characters when loaded, before "
+                               "tokenizing (0 = no limit); prompts keep at most model.max_seq_length tokens anyway",
+    "generation.engine": "rollouts from: hf (the training model's generate) | vllm (in-process; through Unsloth "
+                         "on a GPU)",
+    "generation.temperature": "sampling temperature of the rollouts (the loss uses the same one)",
+    "generation.top_p": "nucleus sampling (1 = off)",
+    "generation.top_k": "top-k sampling (0 = off; -1 is read as 0, vLLM's and TRL's 'off')",
+    "generation.max_new_tokens": "completion tokens per rollout (TRL: max_completion_length)",
+    "generation.batch_size": "prompts per generate() call",
+    "reward.correctness_weight": "weight of the math-verify answer check (1 when the answer equals the gold one)",
+    "reward.format_weight": "weight of the format reward (1 for a non-empty \\boxed{})",
+    "reward.require_boxed": "correctness reads only the last non-empty \\boxed{} (math-verify alone falls back "
+                            "to the last number)",
+    "reward.functions": "your reward functions, 'module:function', run in a worker process (see README: Data "
+                        "and rewards)",
+    "reward.function_weights": "one weight per function (default 1.0 each)",
+    "reward.timeout_s": "per-batch limit of one reward function; past it the worker is restarted and the batch "
+                        "scores 0 (0 = run them in the trainer process, no limit)",
+    "estimator.name": "advantage estimator: basis | reinforce_pp | grpo | dr_grpo | rloo",
+    "estimator.rollouts_per_prompt": "G, completions per prompt (TRL: num_generations); grpo, dr_grpo and rloo "
+                                     "need G >= 2",
+    "estimator.prior_samples": "basis: K reference rollouts per training prompt before training for the offline "
+                               "prior (0 = none; cached)",
+    "estimator.use_features": "basis: pool other prompts' rewards by the similarity of the policy's prompt "
+                              "hidden states",
+    "estimator.history": "basis: refine the prior with this run's earlier rewards of the same prompt",
+    "estimator.options": "estimator options, checked at load (basis: see basis_lite/estimators/basis_options.py)",
+    "estimator.normalize": "divide the advantages by their batch std (reinforce_pp always does)",
+    "train.steps": "optimizer steps (TRL: max_steps)",
+    "train.batch_size": "PROMPTS per step; each gets estimator.rollouts_per_prompt completions (TRL's "
+                        "per_device_train_batch_size counts completions)",
+    "train.micro_batch_size": "sequences per forward/backward; gradient accumulation covers the rest",
+    "train.lr": "peak learning rate (TRL: learning_rate)",
+    "train.weight_decay": "AdamW weight decay",
+    "train.warmup_steps": "linear warmup steps",
+    "train.schedule": "learning-rate schedule after warmup: cosine (down to 10%) | constant",
+    "train.max_grad_norm": "the gradient norm is clipped to this value",
+    "train.optimizer": "auto (bitsandbytes AdamW8bit on CUDA, torch AdamW elsewhere) | adamw | adamw8bit",
+    "train.loss": "ppo_clip (token-level, clip-higher) | bpo (complementary-probability weight)",
+    "train.clip_low": "PPO clip: the ratio's lower bound is 1 - clip_low (TRL: epsilon)",
+    "train.clip_high": "PPO clip: the ratio's upper bound is 1 + clip_high (TRL: epsilon_high)",
+    "train.bpo_cap": "BPO: cap C on the complementary-probability weight",
+    "train.bpo_eps": "BPO: smoothing epsilon of the weight (1 + eps - mu) / (1 + eps - pi)",
+    "train.kl_coef": "k3 KL to the reference (the base, adapter disabled); 0 = off, no extra forward (TRL: beta)",
+    "train.logprob_chunk_size": "tokens per chunk of the lm_head + log-softmax (never the full [B, T, V] fp32 "
+                                "tensor)",
+    "train.eval_every": "greedy held-out eval every N steps (0 = only before and after training)",
+    "train.eval_batch_size": "prompts per generate() call in eval",
+    "train.eval_max_new_tokens": "completion tokens in eval",
+    "train.save_every": "checkpoint every N steps (and at the end)",
+    "train.keep_last": "checkpoints kept",
+    "train.max_bad_steps": "abort after this many non-finite losses in a row (each one is skipped)",
+    "train.seed": "seed of sampling, prompt order and the LoRA init",
+    "train.threads": "torch CPU threads (0 = all cores)",
+    "train.report_to": "extra loggers besides metrics.jsonl: [tensorboard, wandb]",
+    "train.wandb_project": "W&B project ('' = $WANDB_PROJECT, else basis-lite)",
+}
+
+# TRL GRPOConfig names accepted as aliases (same meaning), at the top level or inside the section they belong to
+ALIASES: dict[str, str] = {
+    "learning_rate": "train.lr",
+    "num_generations": "estimator.rollouts_per_prompt",
+    "max_completion_length": "generation.max_new_tokens",
+    "beta": "train.kl_coef",
+    "epsilon": "train.clip_low",
+    "epsilon_high": "train.clip_high",
+    "max_steps": "train.steps",
+}
+# TRL names whose meaning differs here: refused, with what to write instead
+REFUSED: dict[str, str] = {
+    "per_device_train_batch_size": (
+        "TRL's per_device_train_batch_size counts COMPLETIONS per device; basis-lite's train.batch_size counts "
+        "PROMPTS per step, each with estimator.rollouts_per_prompt completions (TRL: num_generations). For the same "
+        "step, set train.batch_size = per_device_train_batch_size x gradient_accumulation_steps x devices / "
+        "num_generations"),
+    "gradient_accumulation_steps": (
+        "basis-lite accumulates gradients by itself: train.batch_size prompts per step, split into micro-batches "
+        "of train.micro_batch_size sequences"),
+}
+
+
+def all_keys() -> list[str]:
+    """Every leaf key of the config tree, dotted ("train.lr"), in declaration order."""
+    out: list[str] = []
+
+    def walk(cls, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            sub = _hints(cls)[f.name]
+            if dataclasses.is_dataclass(sub):
+                walk(sub, f"{prefix}{f.name}.")
+            else:
+                out.append(prefix + f.name)
+
+    walk(Config, "")
+    return out
+
+
+def _did_you_mean(prefix: str, key: str, names: list[str]) -> str:
+    """' (did you mean X?)' for an unknown key close to an accepted one in its section or to any key's last part
+    anywhere in the tree (train keys first: TRL's flat names are mostly training settings), else ''."""
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+    if close:
+        return f" (did you mean {prefix}{close[0]}?)"
+    close = difflib.get_close_matches(key, list(ALIASES), n=1, cutoff=0.75)  # a TRL name, misspelt
+    if close:
+        return f" (did you mean {ALIASES[close[0]]}?)"
+    leaf_of: dict[str, str] = {}
+    for k in sorted(all_keys(), key=lambda k: not k.startswith("train.")):
+        leaf_of.setdefault(k.rsplit(".", 1)[-1], k)
+    close = difflib.get_close_matches(key, list(leaf_of), n=1, cutoff=0.75)
+    return f" (did you mean {leaf_of[close[0]]}?)" if close else ""
 
 
 _SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -222,18 +461,28 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
     return value
 
 
-def _merge(obj: Any, data: dict, prefix: str = "") -> None:
+def _merge(root: Config, data: dict, prefix: str = "") -> None:
+    """Set the keys of `data` (a mapping for the section `prefix`) on `root`; TRL aliases are read as their
+    basis-lite key, unknown keys raise ConfigError with a did-you-mean and the keys accepted there."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    obj = get(root, prefix.rstrip(".")) if prefix else root
     hints = _hints(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"unknown config key '{full}'; accepted keys here: {', '.join(names)}")
+            if key in ALIASES and (not prefix or ALIASES[key].startswith(prefix)):
+                log.info("%s: TRL's name for %s", full, ALIASES[key])
+                _merge(root, _nest(ALIASES[key], value))
+                continue
+            if key in REFUSED:
+                raise ConfigError(f"{full}: not accepted. {REFUSED[key]}")
+            raise ConfigError(f"unknown config key '{full}'{_did_you_mean(prefix, str(key), names)}; accepted keys "
+                              f"here: {', '.join(names)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
-            _merge(current, value, full + ".")
+            _merge(root, value, full + ".")
         else:
             setattr(obj, key, _coerce(value, hints[key], full))
 
@@ -305,19 +554,35 @@ def get(cfg: Config, key: str) -> Any:
     return obj
 
 
+def _bad_value(key: str, value: Any, expected: str) -> ConfigError:
+    meaning = HELP.get(key)
+    return ConfigError(f"{key}: must be {expected}, got {value!r}" + (f". Meaning: {meaning}" if meaning else ""))
+
+
 def validate(cfg: Config) -> None:
+    """Check every key (type, accepted values, ranges) and the combinations; ConfigError naming the key, the value
+    and what is accepted. Normalises in place: generation.top_k -1 -> 0, estimator options read as numbers,
+    train.micro_batch_size capped at the step's sequence count."""
+    for key in all_keys():  # types again: a Config built or changed in code skips _merge's checks
+        section, _, leaf = key.rpartition(".")
+        obj = get(cfg, section) if section else cfg
+        setattr(obj, leaf, _coerce(getattr(obj, leaf), _hints(type(obj))[leaf], key))
     for key, choices in CHOICES.items():
         if key == "estimator.name":
             choices = estimator_names()
         if get(cfg, key) not in choices:
             raise ConfigError(f"{key}: {get(cfg, key)!r} is not accepted; choose one of {', '.join(choices)}")
-    for key in POSITIVE:
-        if get(cfg, key) <= 0:
-            raise ConfigError(f"{key}: must be > 0, got {get(cfg, key)!r}")
-    for key in NON_NEGATIVE:
-        if get(cfg, key) < 0:
-            raise ConfigError(f"{key}: must be >= 0, got {get(cfg, key)!r}")
-    t, e = cfg.train, cfg.estimator
+    for key, rng in RANGES.items():
+        value = get(cfg, key)
+        if not rng.contains(value):
+            raise _bad_value(key, value, rng.describe(isinstance(value, int)))
+    if cfg.generation.top_k == -1:
+        cfg.generation.top_k = 0  # vLLM's and TRL's "off" is -1; here (and in transformers) it is 0
+    for key in ("model.name", "data.dataset", "data.question_field", "data.answer_field", "data.split_train",
+                "data.split_eval"):
+        if not str(get(cfg, key)).strip():
+            raise _bad_value(key, get(cfg, key), "a non-empty string")
+    t, e, d, g = cfg.train, cfg.estimator, cfg.data, cfg.generation
     spec = get_estimator(e.name)
     if e.rollouts_per_prompt < spec.min_rollouts:
         fits = [n for n in estimator_names() if get_estimator(n).min_rollouts <= e.rollouts_per_prompt]
@@ -331,26 +596,58 @@ def validate(cfg: Config) -> None:
         raise ConfigError("estimator.options: bandwidth/shrink 'cv' cannot be combined with a prior "
                           "(estimator.prior_samples > 0 or estimator.history) under the default combine: "
                           "toward_prior; add combine: residual, or use fixed numbers")
-    if not 0 <= cfg.data.max_bad_fraction <= 1:
-        raise ConfigError(f"data.max_bad_fraction: must be in [0, 1], got {cfg.data.max_bad_fraction}")
-    if not 0 < cfg.generation.top_p <= 1:
-        raise ConfigError(f"generation.top_p: must be in (0, 1], got {cfg.generation.top_p}")
-    if not 0 < cfg.model.gpu_memory_utilization < 1:
-        raise ConfigError(f"model.gpu_memory_utilization: must be in (0, 1), got {cfg.model.gpu_memory_utilization}")
+    if g.max_new_tokens > cfg.model.max_seq_length - MIN_PROMPT_TOKENS:
+        raise ConfigError(f"generation.max_new_tokens: {g.max_new_tokens} leaves fewer than {MIN_PROMPT_TOKENS} "
+                          f"prompt tokens of model.max_seq_length={cfg.model.max_seq_length} (prompt + completion); "
+                          f"use at most {max(1, cfg.model.max_seq_length - MIN_PROMPT_TOKENS)} or raise "
+                          f"model.max_seq_length")
+    _check_dataset(d)
     tm = cfg.lora.target_modules
     if not (tm == "all-linear" or (isinstance(tm, list) and tm and all(isinstance(x, str) for x in tm))):
         raise ConfigError(f"lora.target_modules: expected 'all-linear' or a list of module names, got {tm!r}")
-    if cfg.reward.function_weights and len(cfg.reward.function_weights) != len(cfg.reward.functions):
-        raise ConfigError(f"reward.function_weights: {len(cfg.reward.function_weights)} weights for "
-                          f"{len(cfg.reward.functions)} functions; give one weight per function or none")
-    for fn in cfg.reward.functions:
-        if not isinstance(fn, str) or ":" not in fn:
+    r = cfg.reward
+    if r.function_weights and len(r.function_weights) != len(r.functions):
+        raise ConfigError(f"reward.function_weights: {len(r.function_weights)} weights for "
+                          f"{len(r.functions)} functions; give one weight per function or none")
+    for w in r.function_weights:
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(f"reward.function_weights: {w!r} is not accepted; expected finite numbers, one per "
+                              f"function")
+    r.function_weights = [float(w) for w in r.function_weights]
+    for fn in r.functions:
+        if not isinstance(fn, str) or fn.count(":") != 1 or not all(p.strip() for p in fn.split(":")):
             raise ConfigError(f"reward.functions: {fn!r} is not of the form 'package.module:function'")
-    bad = [r for r in t.report_to if r not in ("tensorboard", "wandb")]
+    weights = [r.correctness_weight, r.format_weight, *(r.function_weights or [1.0] * len(r.functions))]
+    if not any(weights):
+        raise ConfigError("reward: every reward weight is 0 (reward.correctness_weight, reward.format_weight, "
+                          "reward.function_weights), so every reward and advantage is 0 and nothing is learned; "
+                          "give one a non-zero weight")
+    bad = [x for x in t.report_to if x not in ("tensorboard", "wandb")]
     if bad:
         raise ConfigError(f"train.report_to: {bad} not accepted; choose from tensorboard, wandb")
     if t.micro_batch_size > t.batch_size * e.rollouts_per_prompt:
         t.micro_batch_size = t.batch_size * e.rollouts_per_prompt
+
+
+_HF_DATASET = re.compile(r"hf:[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
+
+
+def _check_dataset(d: DataConfig) -> None:
+    """What can be checked of data.* without reading data: the hf: form, built-in levels and sizes."""
+    name = str(d.dataset).strip()
+    if name.startswith("hf:") and not _HF_DATASET.fullmatch(name):
+        raise ConfigError(f"data.dataset: {name!r} is not accepted; expected hf:owner/name or hf:owner/name:config "
+                          f"(e.g. hf:openai/gsm8k:main)")
+    from .data.tasks import BUILTIN_TASKS, check_levels  # torch-free; only read for built-in tasks
+
+    if name in BUILTIN_TASKS:
+        try:
+            check_levels(name, d.levels)
+        except ValueError as err:  # DataError
+            raise ConfigError(str(err)) from None
+        if d.train_size == 0:
+            raise ConfigError(f"data.train_size: must be >= 1 for the built-in task {name} (a count of generated "
+                              f"problems; 0 means 'all' only for hub datasets and files), got 0")
 
 
 def to_dict(cfg: Config) -> dict:
@@ -361,6 +658,42 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
     from .safeio import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def _yaml_value(value: Any) -> str:
+    """One value as it would be written in a preset: flow style, one line."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**6, allow_unicode=True).strip()
+    return text[:-3].strip() if text.endswith("\n...") else text
+
+
+def describe_config(cfg: Config, width: int = 116) -> str:
+    """The resolved config as a commented YAML preset: every key with its value, above it what it means and the
+    values it accepts, and its default when it differs. `basis-lite config` prints it; the text loads back as a
+    preset (`basis-lite train --preset FILE.yaml`) into the same config."""
+    import textwrap
+
+    default = Config()
+    lines: list[str] = []
+    section = None
+    for key in all_keys():
+        head, _, leaf = key.rpartition(".")
+        indent = "  " if head else ""
+        if head != section and head:
+            lines += ["", f"{head}:"]
+        elif not head and lines:
+            lines.append("")
+        section = head
+        value = get(cfg, key)
+        note = HELP.get(key, "")
+        if key == "estimator.name":  # the registry, with estimators registered after import
+            note = "advantage estimator: " + " | ".join(estimator_names())
+        if key in RANGES:  # (the meaning of a key in CHOICES lists its values)
+            note += f" [{RANGES[key].describe(isinstance(value, int))}]"
+        if value != get(default, key) and key != "preset":
+            note += f" (default {_yaml_value(get(default, key))})"
+        lines += textwrap.wrap(note.strip(), width=width, initial_indent=f"{indent}# ", subsequent_indent=f"{indent}# ")
+        lines.append(f"{indent}{leaf}: {_yaml_value(value)}")
+    return "\n".join(lines) + "\n"
 
 
 def load_config_file(path: str | os.PathLike) -> Config:

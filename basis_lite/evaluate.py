@@ -23,7 +23,8 @@ def evaluate(engine, tokenizer, examples, data_cfg, max_new_tokens: int = 64, re
              progress: bool = True, desc: str = "eval") -> dict:
     """Greedy accuracy (pass@1) on `examples`; with `samples` = k > 0 also sampled pass@1 and pass@k.
 
-    Returns {"accuracy", "n", "by_level": {level: {"accuracy", "n"}}, ["pass@1_sampled", "pass@k", "k"]}.
+    Returns {"accuracy", "n", "by_level": {level: {"accuracy", "n"}}, ["pass@1_sampled", "pass@k", "k"]};
+    "accuracy" is None when `examples` is empty.
     """
     prompts = [format_prompt(tokenizer, ex.question, data_cfg) for ex in examples]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
@@ -35,7 +36,8 @@ def evaluate(engine, tokenizer, examples, data_cfg, max_new_tokens: int = 64, re
             correct.append(correctness(r.text, ex.answer, require_boxed=require_boxed))
         bar.update(len(rolls))
     bar.close()
-    out = {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct)}
+    # no examples: no accuracy (None), never a 0.000 that reads like a measured one
+    out = {"accuracy": sum(correct) / len(correct) if correct else None, "n": len(correct)}
     groups: dict = defaultdict(list)
     for ex, c in zip(examples, correct):
         if "level" in ex.meta:
@@ -56,5 +58,6 @@ def evaluate(engine, tokenizer, examples, data_cfg, max_new_tokens: int = 64, re
                 pk.append(pass_at_k(samples, int(c), samples))
             bar.update(len(examples[i:i + per]))
         bar.close()
-        out.update({"k": samples, "pass@1_sampled": sum(p1) / len(p1), f"pass@{samples}": sum(pk) / len(pk)})
+        out.update({"k": samples, "pass@1_sampled": sum(p1) / len(p1) if p1 else None,
+                    f"pass@{samples}": sum(pk) / len(pk) if pk else None})
     return out

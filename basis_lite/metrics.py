@@ -100,7 +100,8 @@ class MetricsLog:
     context manager) so the optional loggers flush what they hold, also after a crash.
     """
 
-    def __init__(self, run_dir: Path, report_to=(), run_name: str = "", config: dict | None = None):
+    def __init__(self, run_dir: Path, report_to=(), run_name: str = "", config: dict | None = None,
+                 wandb_project: str = ""):
         self.path = Path(run_dir) / FILE
         self.tb = self.wandb = None
         if "tensorboard" in report_to:
@@ -114,7 +115,8 @@ class MetricsLog:
                 import wandb
             except ImportError:
                 raise ConfigError("train.report_to: wandb needs `pip install wandb` (and `wandb login`)") from None
-            self.wandb = wandb.init(project="basis-lite", name=run_name or Path(run_dir).name, config=config,
+            project = wandb_project or os.environ.get("WANDB_PROJECT") or "basis-lite"
+            self.wandb = wandb.init(project=project, name=run_name or Path(run_dir).name, config=config,
                                     resume="allow")
 
     def start(self) -> None:
@@ -125,20 +127,28 @@ class MetricsLog:
 
     def step(self, rec: dict) -> None:
         append_line(self.path, rec)
-        nums = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        # grouped tags: train/reward_mean, train/loss, ... (booleans such as skipped as 0/1)
+        nums = {f"train/{k}": float(v) for k, v in rec.items()
+                if isinstance(v, (int, float)) and k != "step"}
         if self.tb is not None:
             for k, v in nums.items():
                 self.tb.add_scalar(k, v, rec["step"])
         if self.wandb is not None:
             self.wandb.log(nums, step=rec["step"])
 
-    def eval(self, step: int, ev: dict, final: bool = False) -> None:
+    def eval(self, step: int, ev: dict | None, final: bool = False) -> None:
+        """An eval line; nothing when there was no eval (`ev` None: an empty eval split)."""
+        if not ev:
+            return
         rec = {"step": step, "event": "eval_final" if final else "eval", **flat_eval(ev)}
         append_line(self.path, rec)
+        # grouped tags: eval/accuracy, eval/accuracy_level1, ...
+        nums = {f"eval/{k[len('eval_'):]}": v for k, v in rec.items() if k.startswith("eval_")}
         if self.tb is not None:
-            self.tb.add_scalar("eval_accuracy", rec["eval_accuracy"], step)
+            for k, v in nums.items():
+                self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
-            self.wandb.log({"eval_accuracy": rec["eval_accuracy"]}, step=step)
+            self.wandb.log(nums, step=step)
 
     def close(self) -> None:
         if self.tb is not None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -429,6 +430,8 @@ def plan_for(preset: str | None = None, overrides: Sequence[str] = (), gpu_memor
     The card size is `gpu_memory` (GiB) or else the preset header's `# gpu_memory_gb: N`.
     """
     overrides = list(overrides)
+    if gpu_memory is not None and not (math.isfinite(gpu_memory) and gpu_memory > 0):
+        raise ConfigError(f"--gpu-memory: must be the card's memory in GiB, a number > 0, got {gpu_memory:g}")
     cfg = load_config(preset, overrides)
     label = preset or cfg.preset
     card, source = gpu_memory, "--gpu-memory"

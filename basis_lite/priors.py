@@ -51,8 +51,11 @@ def prior_cache_path(cache_root: Path, key: str) -> Path:
 
 
 def compute_prior_counts(engine, model, examples, prompts: list[str], scorer, params: SamplingParams, k: int,
-                         batch_size: int = 64, progress: bool = True) -> dict[str, int]:
-    """Successes out of k reference samples per example id (the adapter is disabled while sampling)."""
+                         batch_size: int = 64, progress: bool = True, data_cfg=None) -> dict[str, int]:
+    """Successes out of k reference samples per example id (the adapter is disabled while sampling); `data_cfg`
+    names the data columns passed to user reward functions."""
+    from .rewards import example_columns
+
     counts: dict[str, int] = {}
     per = max(1, batch_size // k)
     p = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -63,7 +66,9 @@ def compute_prior_counts(engine, model, examples, prompts: list[str], scorer, pa
             chunk = prompts[i:i + per]
             rolls = engine.generate(chunk, p, with_features=False)
             exs = [ex for ex in examples[i:i + per] for _ in range(k)]
-            rb = scorer([r.prompt for r in rolls], [r.text for r in rolls], [ex.answer for ex in exs])
+            cols = example_columns(examples[i:i + per], data_cfg, repeat=k) if data_cfg is not None else None
+            rb = scorer([r.prompt for r in rolls], [r.text for r in rolls], [ex.answer for ex in exs], columns=cols,
+                        completion_ids=[r.completion_ids for r in rolls])
             for j, ex in enumerate(examples[i:i + per]):
                 counts[ex.id] = int(round(sum(rb.correct[j * k:(j + 1) * k])))
             bar.update(len(chunk))
@@ -97,7 +102,8 @@ def load_or_compute_prior(cfg, cache_root: Path, engine, model, examples, prompt
         log.warning("prior cache file %s is damaged (%s); moved it to %s and computing the prior again", path,
                     why, aside.name)
     t0 = time.time()
-    counts = compute_prior_counts(engine, model, examples, prompts, scorer, params, k, progress=progress)
+    counts = compute_prior_counts(engine, model, examples, prompts, scorer, params, k, progress=progress,
+                                  data_cfg=cfg.data)
     mean = sum(counts.values()) / max(1, k * len(counts))
     table = {"k": k, "counts": counts, "mean": mean, "key": key, "seconds": time.time() - t0}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +138,7 @@ def compute_prior(cfg, samples: int = 0, progress: bool = True) -> dict:
     from .data import format_prompt, load_examples
     from .engines.base import params_from_config
     from .models import cache_root
-    from .rewards import RewardScorer
+    from .rewards import RewardScorer, column_names
     from .runtime import build_policy, seed_everything, setup_device
 
     if samples < 0:
@@ -143,7 +149,7 @@ def compute_prior(cfg, samples: int = 0, progress: bool = True) -> dict:
     seed_everything(cfg.train.seed)
     model, tok, engine = build_policy(cfg, device, dtype)
     prompts = [format_prompt(tok, ex.question, cfg.data) for ex in examples]
-    with RewardScorer(cfg.reward) as scorer:
+    with RewardScorer(cfg.reward, column_names(examples, cfg.data)) as scorer:
         table = load_or_compute_prior(cfg, cache_root(cfg.model.cache_dir), engine, model, examples, prompts,
                                       scorer, params_from_config(cfg.generation), k, progress=progress)
     return {**table, "prompts": len(examples)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import shutil
 import time
 import warnings
@@ -28,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from .config import Config, save_config, to_dict
+from .config import Config, save_config, to_dict, validate
 from .data import PromptSampler, format_prompt, load_examples
 from .engines.base import params_from_config
 from .errors import ConfigError, Interrupted, TrainingAborted
@@ -39,7 +40,7 @@ from .faults import maybe_kill
 from .metrics import MetricsLog
 from .models import cache_root, count_parameters, peak_memory_mb
 from .priors import load_or_compute_prior, prior_values
-from .rewards import RewardScorer
+from .rewards import RewardScorer, column_names, example_columns
 from .runtime import build_policy, seed_everything, setup_device
 from .safeio import RunLock, atomic_write_text, disk_full_error, held_by_other, is_disk_full, publish_dir
 from .update import make_optimizer, make_scheduler, policy_update
@@ -90,6 +91,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
     message that names the folder, the checkpoint kept and the command that continues the run.
     """
     t_start = time.time()
+    validate(cfg)  # a Config built or changed in code is checked like a loaded one, before anything is written
     run_dir, created = claim_run_dir(cfg, run_dir, resume)
     lock = RunLock(run_dir).acquire()
     run = None
@@ -220,7 +222,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> RunState:
     n_train, n_total = count_parameters(model)
     log.info("model %s on %s (%s): %.2fM trainable of %.1fM parameters", cfg.model.name, device, dtype,
              n_train / 1e6, n_total / 1e6)
-    scorer = RewardScorer(cfg.reward)  # starts the reward worker process: closed by train() whatever happens
+    # starts the reward worker process and waits until it imported the user functions and checked their signatures
+    # (RewardError before anything is written); closed by train() whatever happens
+    scorer = RewardScorer(cfg.reward, column_names(train_ex, cfg.data))
     run = None
     try:
         optimizer = make_optimizer(cfg, model, device)
@@ -234,7 +238,8 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> RunState:
             cfg=cfg, run_dir=run_dir, device=device, model=model, tok=tok, engine=engine, scorer=scorer,
             optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer), scaler=scaler,
             sampler=PromptSampler(train_ex, cfg.train.batch_size, seed=cfg.train.seed),
-            metrics=MetricsLog(run_dir, cfg.train.report_to, config=to_dict(cfg)),
+            metrics=MetricsLog(run_dir, cfg.train.report_to, config=to_dict(cfg),
+                               wandb_project=cfg.train.wandb_project),
             estimator=get_estimator(cfg.estimator.name),
             prompt_of={ex.id: format_prompt(tok, ex.question, cfg.data) for ex in train_ex},
             eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress)
@@ -311,11 +316,13 @@ def rollout(run: RunState, batch) -> list:
 
 
 def score(run: RunState, batch, rollouts):
-    """(rewards [B, G], the scorer's per-rollout breakdown). A reward function that raises or hangs scores 0 and is
-    counted in `reward_warnings`; it never stops the run."""
+    """(rewards [B, G], the scorer's per-rollout breakdown). A user reward function that fails on its first call
+    stops the run (RewardError); after that a failing batch scores 0 and is counted in `reward_warnings`."""
     G = run.cfg.estimator.rollouts_per_prompt
     golds = [ex.answer for ex in batch for _ in range(G)]
-    scored = run.scorer([r.prompt for r in rollouts], [r.text for r in rollouts], golds)
+    scored = run.scorer([r.prompt for r in rollouts], [r.text for r in rollouts], golds,
+                        columns=example_columns(batch, run.cfg.data, repeat=G),
+                        completion_ids=[r.completion_ids for r in rollouts])
     return torch.tensor(scored.total, dtype=torch.float32).view(len(batch), G), scored
 
 
@@ -341,8 +348,13 @@ def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor):
 
 
 def update(run: RunState, rollouts, adv: torch.Tensor, step: int):
-    """One optimizer step; a non-finite loss skips it, `train.max_bad_steps` of them in a row abort the run."""
+    """One optimizer step; a non-finite loss skips it, `train.max_bad_steps` of them in a row abort the run.
+
+    stats["update_norm"] is the L2 norm of the change of the trainable weights over the step (0 when no update
+    happened: every advantage 0, a skipped step, or an optimizer step that moved nothing)."""
     cfg = run.cfg
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
     try:
         stats, ok = policy_update(cfg, run.model, run.optimizer, rollouts, adv.view(-1), run.tok.pad_token_id,
                                   run.device, step, run.scaler)
@@ -351,6 +363,10 @@ def update(run: RunState, rollouts, adv: torch.Tensor, step: int):
             f"CUDA out of memory at step {step} with train.micro_batch_size={cfg.train.micro_batch_size}; "
             f"try --set train.micro_batch_size={max(1, cfg.train.micro_batch_size // 2)} (gradient "
             f"accumulation keeps the same effective batch) or a smaller generation.max_new_tokens") from None
+    with torch.no_grad():
+        stats["update_norm"] = math.sqrt(sum(float((p.detach().float() - b.float()).pow(2).sum())
+                                             for p, b in zip(params, before)))
+    del before
     if ok:
         run.bad_steps = 0
         with warnings.catch_warnings():  # a step with all-zero advantages skips optimizer.step()
@@ -380,27 +396,49 @@ def step_record(run: RunState, step, rollouts, rewards, scored, adv, base, stats
         "clip_fraction": stats["clip_fraction"], "lr": run.optimizer.param_groups[0]["lr"],
         "generation_s": gen_s, "training_s": train_s, "tokens_per_s": comp_tokens / max(1e-9, gen_s + train_s),
         "peak_memory_mb": peak_memory_mb(run.device), "reward_warnings": run.scorer.warning_count,
-        "skipped": not ok,
+        "skipped": not ok, "trained_sequences": stats.get("trained_sequences"), "update_norm": stats["update_norm"],
+        "zero_update": stats["update_norm"] == 0.0,
     }
 
 
+def step_line(rec: dict) -> str:
+    """The one-line report of a step; a step that left the adapter unchanged says so and why."""
+    line = (f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
+            f"baseline {rec['baseline_mean']:.3f} | EV {rec['explained_variance']:+.2f} | "
+            f"len {rec['completion_len']:.0f} | gen {rec['generation_s']:.1f}s train {rec['training_s']:.1f}s")
+    if rec.get("zero_update"):
+        if rec.get("skipped"):
+            why = "non-finite loss, step skipped"
+        elif rec.get("trained_sequences") == 0:
+            why = "every advantage is 0"
+        else:
+            why = "the optimizer step did not change the weights"
+        line += f" | NO UPDATE ({why})"
+    return line
+
+
 def report_step(run: RunState, bar, rec: dict) -> None:
+    """The step's line: above the progress bar, or with --no-progress (logs, schedulers) printed and flushed."""
     bar.update(1)
     bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", ev=f"{rec['explained_variance']:.2f}",
                     gen=f"{rec['generation_s']:.0f}s", train=f"{rec['training_s']:.0f}s")
     if run.progress:
-        tqdm.write(f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
-                   f"baseline {rec['baseline_mean']:.3f} | EV {rec['explained_variance']:+.2f} | "
-                   f"len {rec['completion_len']:.0f} | gen {rec['generation_s']:.1f}s "
-                   f"train {rec['training_s']:.1f}s")
+        tqdm.write(step_line(rec))
+    else:
+        print(step_line(rec), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # eval and the end of the run
 
 
-def run_eval(run: RunState, desc: str) -> dict:
+def run_eval(run: RunState, desc: str) -> dict | None:
+    """Greedy held-out accuracy; None when the eval split is empty (no accuracy to report, none is logged)."""
     cfg = run.cfg
+    if not run.eval_examples:
+        log.info("%s: skipped, the eval split of %s is empty (data.eval_size=%d)", desc, cfg.data.dataset,
+                 cfg.data.eval_size)
+        return None
     return evaluate(run.engine, run.tok, run.eval_examples, cfg.data, max_new_tokens=cfg.train.eval_max_new_tokens,
                     require_boxed=cfg.reward.require_boxed, batch_size=cfg.train.eval_batch_size,
                     progress=run.progress, desc=desc)

@@ -51,3 +51,44 @@ def always_raises(prompts, completions, answers, **kwargs):
 def always_hangs(prompts, completions, answers, **kwargs):
     time.sleep(60)
     return [1.0] * len(completions)
+
+
+# --- first call vs later calls (counters live in the process that runs them: the reward worker) ---
+
+_calls = {"raises_after_first": 0, "hangs_after_first": 0}
+
+
+def raises_after_first(prompts, completions, answers, **kwargs):
+    _calls["raises_after_first"] += 1
+    if _calls["raises_after_first"] > 1:
+        raise RuntimeError("raises_after_first: deliberate failure after a good first call")
+    return [0.5] * len(completions)
+
+
+def hangs_after_first(prompts, completions, answers, **kwargs):
+    _calls["hangs_after_first"] += 1
+    if _calls["hangs_after_first"] > 1:
+        time.sleep(60)
+    return [0.5] * len(completions)
+
+
+# --- TRL's calling convention: only the keyword arguments a function names, data columns by their field names ---
+
+def trl_answer_level(completions, answer, level, **kwargs):
+    """1.0 where the completion contains the gold answer, plus level / 10; rejects unexpected arguments."""
+    assert "prompts" in kwargs and "completion_ids" in kwargs and "question" in kwargs, sorted(kwargs)
+    return [float(a in c) + lv / 10 for c, a, lv in zip(completions, answer, level)]
+
+
+def strict_prompts_completions(prompts, completions):
+    """No **kwargs: called with these two only."""
+    return [float(len(p) > len(c)) for p, c in zip(prompts, completions)]
+
+
+def needs_solution(completions, solution):
+    """Asks for a column the data does not have: refused before the first call."""
+    return [1.0] * len(completions)
+
+
+def in_worker_pid(completions, **kwargs):
+    return [float(os.getpid())] * len(completions)

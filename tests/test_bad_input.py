@@ -118,6 +118,39 @@ def test_dataset_with_few_bad_rows_runs_and_says_how_many_were_skipped(capsys, c
     assert len(step_records(run)) == 1
 
 
+def test_a_directory_as_the_dataset_says_so(capsys, tmp_path):
+    folder = tmp_path / "mydata"
+    folder.mkdir()
+    _write(folder / "train.jsonl", _rows(10))
+    _bad(capsys, tmp_path, *FAST, f"data.dataset={folder}", words=(str(folder), "is a directory", "train.jsonl"))
+    named = tmp_path / "looks-like.jsonl"  # a folder with a data file's name
+    named.mkdir()
+    _bad(capsys, tmp_path, *FAST, f"data.dataset={named}", words=(str(named), "is a directory", "holds no"))
+
+
+def test_a_10mb_row_is_cut_before_tokenizing(caplog, tmp_path):
+    """A 10 MB single-line question is cut to data.max_question_chars when loaded (its end kept), so no tokenizer
+    ever sees 10 MB (measured before: 9.6 GB of RAM); a 10 MB gold answer makes its row a bad row."""
+    from basis_lite.config import load_config
+    from basis_lite.data import load_examples
+    from basis_lite.data.loading import MAX_GOLD_CHARS
+
+    huge_q = "Ignore this. " * 800_000 + "What is 2 + 3?"
+    lines = _rows(80) + [json.dumps({"question": huge_q, "answer": "5"}),
+                         json.dumps({"question": "What is 1 + 0?", "answer": "1" * 10_000_000})]
+    path = _write(tmp_path / "huge.jsonl", lines)
+    assert path.stat().st_size > 20_000_000
+    cfg = load_config("smoke", [f"data.dataset={path}", "data.eval_size=4", "data.train_size=0"])
+    examples = load_examples(cfg.data, "train") + load_examples(cfg.data, "eval")
+    assert len(examples) == 81  # every good row, the cut one too
+    assert max(len(ex.question) for ex in examples) <= cfg.data.max_question_chars
+    (cut,) = [ex for ex in examples if ex.answer == "5" and "Ignore this" in ex.question]
+    assert cut.question.endswith("What is 2 + 3?")
+    assert all(len(ex.answer) <= MAX_GOLD_CHARS for ex in examples)
+    assert "cut 1 question(s) longer than data.max_question_chars=20000" in caplog.text
+    assert "longer than 2000 characters" in caplog.text  # the 10 MB answer's row, skipped and counted
+
+
 def test_unparseable_gold_answers_are_reported(capsys, tmp_path):
     lines = _rows(30) + [json.dumps({"question": f"Name {i}?", "answer": "???"}) for i in range(10)]
     path = _write(tmp_path / "gold.jsonl", lines)
@@ -128,16 +161,52 @@ def test_unparseable_gold_answers_are_reported(capsys, tmp_path):
 # failures inside a run
 
 
-def test_reward_function_that_raises_or_hangs_does_not_stop_the_run(capsys, caplog, tmp_path):
+def test_reward_function_that_fails_after_working_does_not_stop_the_run(capsys, caplog, tmp_path):
+    """Step 1: both functions work. Step 2: one raises, one hangs past the timeout (its worker is replaced): each
+    scores 0 with a warning and the run goes on."""
     run = tmp_path / "run"
-    fns = "reward.functions=[tests.reward_fns:always_raises, tests.reward_fns:always_hangs]"
+    fns = "reward.functions=[tests.reward_fns:raises_after_first, tests.reward_fns:hangs_after_first]"
     rc = cli_main("train", "--preset", "smoke", *sets(FAST), "--set", fns, "--set", "reward.timeout_s=1",
-                  "--set", "train.steps=1", "--output", str(run), "--no-progress")
+                  "--set", "train.steps=2", "--output", str(run), "--no-progress")
     assert rc == 0, capsys.readouterr().err
-    (rec,) = step_records(run)
-    assert rec["reward_warnings"] == 2  # one failure each
-    assert "deliberate failure" in caplog.text and "timed out after 1 s" in caplog.text
+    assert [r["reward_warnings"] for r in step_records(run)] == [0, 2]  # one failure each, at step 2
+    assert "deliberate failure after a good first call" in caplog.text and "timed out after 1 s" in caplog.text
     assert json.loads((run / "summary.json").read_text())["reward_warnings"] == 2
+
+
+@pytest.mark.parametrize("timeout", ["0", "5"])  # in the trainer process / in the reward worker
+def test_reward_function_failing_on_its_first_call_stops_the_run(capsys, tmp_path, timeout):
+    """Training on the zeros of a function that never worked is silent garbage: exit 2 with its message."""
+    run = tmp_path / "run"
+    rc = cli_main("train", "--preset", "smoke", *sets(FAST), "--set", "reward.functions=[tests.reward_fns:always_raises]",
+                  "--set", f"reward.timeout_s={timeout}", "--set", "train.steps=1", "--output", str(run),
+                  "--no-progress")
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert ("error: reward function tests.reward_fns:always_raises failed on its first call: raised ValueError: "
+            "always_raises: deliberate failure") in err
+    assert not (run / "adapter").exists() and not list(run.glob("checkpoints/step-*"))
+
+
+def test_reward_signature_is_checked_before_anything_is_written(capsys, tmp_path):
+    err = _bad(capsys, tmp_path, *FAST, "reward.functions=[tests.reward_fns:needs_solution]",
+               "reward.timeout_s=5", words=("tests.reward_fns:needs_solution", "'solution'", "gets no value",
+                                            "answer", "level"))
+    assert "completion_ids" in err
+
+
+@pytest.mark.parametrize("override,words", [
+    ("train.max_grad_norm=-1", ("train.max_grad_norm", "-1.0", "a number > 0")),
+    ("lora.alpha=0", ("lora.alpha", "got 0", "an integer > 0")),
+    ("lora.dropout=5", ("lora.dropout", "5.0", "[0, 1)")),
+    ("train.lr=.nan", ("train.lr", "nan", "a number > 0")),
+    ("generation.top_k=-5", ("generation.top_k", "-5", ">= -1")),
+    ("train.logprob_chunk_size=0", ("train.logprob_chunk_size", "got 0", ">= 1")),
+    ("estimator.options={bandwith: 0.3}", ("estimator.options.bandwith", "did you mean bandwidth?")),
+    ("estimator.options={bandwidth: -1}", ("estimator.options.bandwidth", "-1", "positive number")),
+])
+def test_settings_that_would_train_wrong_exit_2_before_any_work(capsys, tmp_path, override, words):
+    _bad(capsys, tmp_path, override, words=words)
 
 
 def _cfg(*overrides):

@@ -66,7 +66,7 @@ def test_overrides_are_parsed_as_yaml():
 def test_scientific_notation_for_floats(text, value):
     """YAML 1.1 (PyYAML) reads 1e-5 as a string; `--set train.lr=1e-5` is what everybody types."""
     if value is None:  # parsed fine, rejected by the range check with the key named
-        with pytest.raises(ConfigError, match="train.lr: must be >= 0"):
+        with pytest.raises(ConfigError, match="train.lr: must be a number > 0, got -0.0015"):
             load_config("smoke", [f"train.lr={text}"])
         return
     assert load_config("smoke", [f"train.lr={text}"]).train.lr == pytest.approx(value)
@@ -90,8 +90,8 @@ def test_unknown_nested_key_lists_accepted_keys():
     ("data.levels=3", ("data.levels", "list")),
     ("train=3", ("train", "mapping")),
     ("train.steps", ("key=value",)),
-    ("train.steps=0", ("train.steps", "> 0")),
-    ("train.lr=-1.0", ("train.lr", ">= 0")),
+    ("train.steps=0", ("train.steps", ">= 1", "got 0")),
+    ("train.lr=-1.0", ("train.lr", "> 0", "-1.0")),
     ("generation.top_p=1.5", ("generation.top_p",)),
     ("reward.functions=[not_a_spec]", ("package.module:function",)),
     ("reward.function_weights=[1.0]", ("function_weights",)),
@@ -138,3 +138,170 @@ def test_cv_bandwidth_with_a_prior_is_rejected_at_load_not_at_step_1():
         load_config("smoke", bad)
     load_config("smoke", bad[:1] + ["estimator.options={bandwidth: cv, shrink: cv, combine: residual}"])
     load_config("smoke", ["estimator.prior_samples=0", "estimator.options={bandwidth: cv, shrink: cv}"])  # no prior
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every key: a range (numbers), a meaning, checked at load
+
+
+def test_every_key_has_a_meaning_and_every_number_a_range():
+    from basis_lite.config import HELP, RANGES, all_keys, get
+
+    cfg = Config()
+    keys = all_keys()
+    assert sorted(HELP) == sorted(keys), set(HELP) ^ set(keys)
+    numeric = [k for k in keys if isinstance(get(cfg, k), (int, float)) and not isinstance(get(cfg, k), bool)]
+    assert sorted(RANGES) == sorted(numeric), set(RANGES) ^ set(numeric)
+    for key, choices in CHOICES.items():  # a key with fixed values names them in its meaning
+        assert all(c in HELP[key] for c in choices), key
+
+
+@pytest.mark.parametrize("override,accepted", [
+    ("train.max_grad_norm=-1", "a number > 0"),  # flipped every update
+    ("train.max_grad_norm=0", "a number > 0"),  # left the adapter at zero
+    ("lora.alpha=0", "an integer > 0"),  # LoRA output scaled by 0
+    ("train.lr=.nan", "a number > 0"),
+    ("train.lr=.inf", "a number > 0"),
+    ("train.lr=0", "a number > 0"),
+    ("lora.dropout=5", "a number in [0, 1)"),
+    ("lora.dropout=1", "a number in [0, 1)"),
+    ("generation.top_k=-2", "an integer >= -1"),
+    ("train.logprob_chunk_size=0", "an integer >= 1"),
+    ("generation.temperature=0", "a number > 0"),
+    ("train.seed=-1", "an integer in [0, 4294967295]"),
+    ("train.clip_low=1", "a number in [0, 1)"),
+    ("train.bpo_eps=0", "a number > 0"),
+    ("train.bpo_cap=-1", "a number > 0"),
+    ("reward.timeout_s=.inf", "a number >= 0"),
+    ("reward.correctness_weight=.nan", "a finite number"),
+    ("data.max_question_chars=-1", "an integer >= 0"),
+])
+def test_out_of_range_numbers_are_refused_at_load(override, accepted):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", [override])
+    msg = str(e.value)
+    assert msg.startswith(f"{key}: must be {accepted}, got "), msg
+
+
+def test_every_range_is_enforced_at_its_bounds():
+    """For every numeric key: the first value outside its range is refused naming the key, the bound inside is
+    accepted (other keys at the smoke preset's values)."""
+    from basis_lite.config import RANGES
+
+    for key, rng in RANGES.items():
+        integer = isinstance(getattr(getattr(Config(), key.split(".")[0]), key.split(".")[1]), int)
+        step = 1 if integer else 1e-9
+        for bound, open_, direction in ((rng.lo, rng.lo_open, -1), (rng.hi, rng.hi_open, +1)):
+            if bound is None:
+                continue
+            outside = bound if open_ else bound + direction * step
+            with pytest.raises(ConfigError, match=rf"^{key}: must be "):
+                load_config("smoke", [f"{key}={outside!r}"])
+
+
+def test_top_k_minus_one_means_off():
+    """vLLM and TRL spell "no top-k" -1; transformers and basis-lite spell it 0. -1 is read as 0."""
+    assert load_config("smoke", ["generation.top_k=-1"]).generation.top_k == 0
+    assert load_config("smoke", ["generation.top_k=20"]).generation.top_k == 20
+
+
+def test_combinations_are_checked_at_load():
+    with pytest.raises(ConfigError, match="generation.max_new_tokens: 120 leaves fewer than 16 prompt tokens"):
+        load_config("smoke", ["generation.max_new_tokens=120"])  # smoke: max_seq_length 128
+    with pytest.raises(ConfigError, match="every reward weight is 0"):
+        load_config("smoke", ["reward.correctness_weight=0"])
+    load_config("smoke", ["reward.correctness_weight=0", "reward.functions=[a.b:c]"])  # a user reward is enough
+    with pytest.raises(ConfigError, match=r"data.levels: \[9\] not accepted for data.dataset=arithmetic"):
+        load_config("smoke", ["data.levels=[9]"])
+    with pytest.raises(ConfigError, match="data.train_size: must be >= 1 for the built-in task arithmetic"):
+        load_config("smoke", ["data.train_size=0"])
+    with pytest.raises(ConfigError, match="hf:owner/name"):
+        load_config("smoke", ["data.dataset=hf:gsm8k"])
+    assert load_config("smoke", ["data.dataset=hf:openai/gsm8k:main"]).data.dataset == "hf:openai/gsm8k:main"
+    with pytest.raises(ConfigError, match="reward.function_weights: .*finite"):
+        load_config("smoke", ["reward.functions=[a.b:c]", "reward.function_weights=[.nan]"])
+
+
+def test_options_for_an_estimator_that_takes_none_are_refused():
+    with pytest.raises(ConfigError, match="rloo takes no options; got \\['bandwidth'\\]. Remove estimator.options"):
+        load_config("smoke", ["estimator.name=rloo", "estimator.rollouts_per_prompt=2",
+                              "estimator.options={bandwidth: 0.3}"])
+
+
+def test_validate_checks_a_config_changed_in_code():
+    """train() validates again, so a Config built in code cannot skip the checks."""
+    from basis_lite.config import validate
+
+    cfg = load_config("smoke")
+    cfg.train.max_grad_norm = -1.0
+    with pytest.raises(ConfigError, match="train.max_grad_norm"):
+        validate(cfg)
+    cfg = load_config("smoke")
+    cfg.train.steps = "3"
+    with pytest.raises(ConfigError, match="train.steps: expected an integer"):
+        validate(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# names people reach for: did-you-mean, TRL's names
+
+
+@pytest.mark.parametrize("override,suggestion", [
+    ("train.stepz=3", "did you mean train.steps?"),
+    ("train.learning_rat=1e-5", "did you mean train.lr?"),
+    ("temperature=0.5", "did you mean generation.temperature?"),
+    ("train.temperature=0.5", "did you mean generation.temperature?"),
+    ("lr=1e-4", "did you mean train.lr?"),
+    ("modle.name=x", "did you mean model?"),
+    ("estimator.options={bandwith: 0.3}", "did you mean bandwidth?"),
+])
+def test_did_you_mean(override, suggestion):
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", [override])
+    assert suggestion in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("alias,key,value", [
+    ("learning_rate", "train.lr", 1e-5), ("num_generations", "estimator.rollouts_per_prompt", 4),
+    ("max_completion_length", "generation.max_new_tokens", 24), ("beta", "train.kl_coef", 0.04),
+    ("epsilon", "train.clip_low", 0.1), ("epsilon_high", "train.clip_high", 0.3), ("max_steps", "train.steps", 7),
+])
+def test_trl_names_are_aliases(alias, key, value):
+    from basis_lite.config import get
+
+    extra = ["estimator.name=grpo"] if alias == "num_generations" else []
+    section = key.split(".")[0]
+    for name in (alias, f"{section}.{alias}"):  # at the top level, or in the section it belongs to
+        cfg = load_config("smoke", extra + [f"{name}={value}"])
+        assert get(cfg, key) == value
+    assert alias not in yaml.safe_dump(to_dict(cfg))  # saved under basis-lite's own name
+    cfg = load_config(data={"preset": "x", alias: value, **({"estimator": {"name": "grpo"}} if extra else {})})
+    assert get(cfg, key) == value
+
+
+def test_per_device_train_batch_size_is_refused_with_what_to_write():
+    """TRL counts completions per device, basis-lite prompts per step: not the same number, so no alias."""
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", ["per_device_train_batch_size=16"])
+    msg = str(e.value)
+    assert "COMPLETIONS" in msg and "PROMPTS" in msg and "train.batch_size" in msg and "num_generations" in msg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `basis-lite config`
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_described_config_shows_every_key_and_loads_back(name):
+    from basis_lite.config import HELP, all_keys, describe_config
+
+    cfg = load_config(name, ["train.steps=3", "learning_rate=1e-5"])
+    text = describe_config(cfg)
+    assert load_config(data=yaml.safe_load(text)) == cfg  # the printout is a preset
+    comments = " ".join(line.strip().lstrip("# ") for line in text.splitlines() if line.strip().startswith("#"))
+    for key in all_keys():
+        leaf = key.rsplit(".", 1)[-1]
+        assert any(line.strip().startswith(f"{leaf}:") for line in text.splitlines()), key
+        assert " ".join(HELP[key].split()[:4]) in comments, key
+    assert "(default 40)" in text and "[a number > 0]" in text  # train.steps differs from its default; lr's range

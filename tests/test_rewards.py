@@ -126,8 +126,11 @@ def test_load_reward_function_errors(spec, fragment):
 
 
 def test_scorer_bad_spec_fails_at_construction():
+    """The worker imports the functions; the constructor waits for it and raises its error."""
     with pytest.raises(RewardError, match="missing_fn"):
         RewardScorer(RewardConfig(functions=["reward_fns:missing_fn"]))
+    with pytest.raises(RewardError, match="missing_fn"):
+        RewardScorer(RewardConfig(functions=["reward_fns:missing_fn"], timeout_s=0))
 
 
 # -- the scorer ---------------------------------------------------------------------------------------------------
@@ -222,6 +225,7 @@ def test_scorer_worker_failures_and_recovery(caplog):
 def test_warning_log_is_throttled(caplog):
     cfg = RewardConfig(functions=["reward_fns:moody"], timeout_s=0)
     with RewardScorer(cfg) as s, caplog.at_level(logging.WARNING, logger="basis_lite.rewards"):
+        s(["ok"], ["x"], ["1"])  # a good first call: later failures are warnings, not a stop
         for _ in range(60):
             s(["raise"], ["x"], ["1"])
         assert s.warning_count == 60
@@ -242,3 +246,96 @@ def test_restating_the_question_is_not_an_answer(completion):
                                              ("\\boxed{-3}", "-3")])
 def test_computed_answers_still_count(completion, gold):
     assert correctness(completion, gold, require_boxed=False) == 1.0
+
+
+# -- first calls, TRL's calling convention, isolation ---------------------------------------------------------------
+
+@pytest.mark.parametrize("timeout_s", [0, 5.0])
+def test_a_failing_first_call_stops_a_later_one_warns(timeout_s, caplog):
+    """Before a function ever returned valid values any failure is a RewardError (the run stops with the message);
+    after that a failing batch scores 0 with a warning. In the worker and in-process alike."""
+    cfg = RewardConfig(functions=["reward_fns:moody"], timeout_s=timeout_s)
+    for mode, words in (("raise", "moody is upset"), ("short", "returned 0 values for 1 completions"),
+                        ("text", "non-numeric")):
+        with RewardScorer(cfg) as s, pytest.raises(RewardError) as e:
+            s([mode], ["x"], ["1"])
+        assert "reward_fns:moody failed on its first call" in str(e.value) and words in str(e.value)
+    assert "reward_fns.py:" in str(e.value) or mode != "raise"  # where it raised
+    with RewardScorer(cfg) as s, caplog.at_level(logging.WARNING, logger="basis_lite.rewards"):
+        assert s(["ok"], ["x"], ["1"]).per_function["reward_fns:moody"] == [1.0]
+        rb = s(["raise"], ["x"], ["1"])
+        assert rb.per_function["reward_fns:moody"] == [0.0] and rb.warnings == 1
+    assert "moody is upset" in caplog.text
+
+
+def test_a_hang_or_crash_on_the_first_call_stops():
+    cfg = RewardConfig(functions=["reward_fns:moody"], timeout_s=1.0)
+    for mode, words in (("hang", "timed out after 1 s"), ("exit", "died")):
+        with RewardScorer(cfg) as s, pytest.raises(RewardError, match="failed on its first call") as e:
+            s([mode], ["x"], ["1"])
+        assert words in str(e.value)
+
+
+def _comps():
+    return ["The sum is 12.", "I think 7", "12? no: 13"]
+
+
+@pytest.mark.parametrize("timeout_s", [0, 5.0])
+def test_trl_calling_convention(timeout_s):
+    """A TRL-style function asks for data columns by name (`answer`, `level`) and gets only what it names when it
+    has no **kwargs; basis-lite's own `answers` still works."""
+    cfg = RewardConfig(functions=["reward_fns:trl_answer_level", "reward_fns:strict_prompts_completions",
+                                  "reward_fns:length_reward"], timeout_s=timeout_s)
+    cols = {"question": ["What is 5 + 7?"] * 3, "answer": ["12", "7", "12"], "level": [1, 2, 3]}
+    with RewardScorer(cfg, columns=list(cols)) as s:
+        rb = s(["a long prompt here"] * 3, _comps(), ["12", "7", "12"], columns=cols,
+               completion_ids=[[1, 2], [3], [4, 5, 6]])
+    assert rb.warnings == 0
+    assert rb.per_function["reward_fns:trl_answer_level"] == pytest.approx([1.1, 1.2, 1.3])
+    assert rb.per_function["reward_fns:strict_prompts_completions"] == [1.0, 1.0, 1.0]
+    assert rb.per_function["reward_fns:length_reward"] == pytest.approx([len(c) / 100 for c in _comps()])
+
+
+@pytest.mark.parametrize("timeout_s", [0, 5.0])
+def test_signature_checked_before_the_first_call(timeout_s):
+    """A parameter no argument fills (TRL's `solution` column on data without it) is refused when the scorer
+    starts, naming it and what is passed."""
+    cfg = RewardConfig(functions=["reward_fns:needs_solution"], timeout_s=timeout_s)
+    with pytest.raises(RewardError) as e:
+        RewardScorer(cfg, columns=["question", "answer", "level"])
+    msg = str(e.value)
+    assert "'solution'" in msg and "reward_fns:needs_solution" in msg
+    assert all(name in msg for name in ("prompts", "completions", "completion_ids", "answers", "question", "level"))
+    RewardScorer(cfg, columns=["question", "solution"]).close()  # the same function, data with that column: fine
+
+
+def test_user_code_is_imported_only_in_the_worker():
+    """The trainer process never imports a reward module (a module that kills its process at import could
+    otherwise take the trainer down): the function ran in another process, and its module is not loaded here."""
+    cfg = RewardConfig(functions=["reward_fns_import_probe:probe"], timeout_s=5.0)
+    with RewardScorer(cfg) as s:
+        rb = s(["p"], ["c"], ["1"])
+    assert rb.per_function["reward_fns_import_probe:probe"][0] not in (0.0, float(os.getpid()))
+    assert "reward_fns_import_probe" not in sys.modules
+
+
+def test_a_module_that_exits_at_import_is_reported_not_fatal():
+    """os._exit(7) at import ends the worker, not the process that builds the scorer (run in a subprocess of its
+    own, so that a regression kills that one and not the test session)."""
+    import subprocess
+
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "from basis_lite.config import RewardConfig\n"
+            "from basis_lite.rewards import RewardError, RewardScorer\n"
+            "if __name__ == '__main__':\n"
+            "    try:\n"
+            "        RewardScorer(RewardConfig(functions=['reward_fns:length_reward', "
+            "'reward_fns_exit_at_import:never'], timeout_s=5.0))\n"
+            "    except RewardError as e:\n"
+            "        print('RewardError:', e)\n")
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-c", code, str(here)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(here.parent)})
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "RewardError:" in proc.stdout, proc.stdout
+    assert "exit code 7" in proc.stdout and "reward_fns_exit_at_import:never" in proc.stdout

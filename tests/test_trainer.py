@@ -5,11 +5,24 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import STEP_FIELDS, VARIED, adapter_weights, cli_main, read_lines, step_records, train_smoke
+from conftest import (
+    FAST,
+    STEP_FIELDS,
+    VARIED,
+    adapter_weights,
+    cli_cmd,
+    cli_main,
+    read_lines,
+    sets,
+    step_records,
+    subprocess_env,
+    train_smoke,
+)
 
 from basis_lite import checkpoint as ckpt
 
@@ -113,6 +126,7 @@ def test_gradient_accumulation_matches_full_batch(tmp_path):
     assert len(rf) == len(ra) == 2
     for a, b in zip(rf, ra):
         assert not a["skipped"] and not b["skipped"]
+        assert not a["zero_update"] and a["update_norm"] > 0  # reported as a real update
         assert a["reward_mean"] == b["reward_mean"]  # same rollouts
         assert a["advantage_std"] > 0  # updates really happen
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
@@ -159,3 +173,47 @@ def test_same_seed_same_run_whether_or_not_the_prior_is_cached(tmp_path):
         assert a[k] == b[k], k
     wc, ww = adapter_weights(cold / "adapter"), adapter_weights(warm / "adapter")
     assert all(torch.equal(wc[k], ww[k]) for k in wc)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what a run reports
+
+
+def test_no_progress_still_prints_step_lines_and_a_zero_update_says_so(capsys, tmp_path):
+    """--no-progress (logs, schedulers) still prints one line per step. The random tiny model scores 0 on every
+    rollout, so every advantage is 0 and the adapter does not move: the metrics and the line say so. With
+    data.eval_size=0 there is no held-out accuracy, and none is reported as 0.000."""
+    run = tmp_path / "run"
+    rc = cli_main("train", "--preset", "smoke", *sets(FAST + ["train.steps=2", "data.eval_size=0"]),
+                  "--output", str(run), "--no-progress")
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split("|")[0].strip() for line in lines] == ["step    1", "step    2"], out
+    assert all(line.endswith("| NO UPDATE (every advantage is 0)") for line in lines), lines
+    recs = step_records(run)
+    assert all(r["zero_update"] is True and r["update_norm"] == 0.0 and r["trained_sequences"] == 0 for r in recs)
+    assert not [r for r in read_lines(run) if "event" in r]  # no eval lines
+    assert "no held-out accuracy: the eval split is empty (data.eval_size=0)" in out
+    assert "0.000 ->" not in out and "accuracy 0.000" not in out
+
+
+def test_trl_style_reward_beside_the_working_directory_trains(tmp_path):
+    """A reward module next to where the user runs `basis-lite` (no PYTHONPATH=. ), written in TRL's convention
+    (data columns `answer` and `level` by name, no `answers`), run in the reward worker: it trains the adapter."""
+    (tmp_path / "my_trl_rewards.py").write_text(
+        "def varied(completions, answer, level, completion_ids, **kwargs):\n"
+        "    assert len(answer) == len(level) == len(completion_ids) == len(completions)\n"
+        "    return [(sum(map(ord, c)) % 7) / 6 + 0.0 * lv for c, lv in zip(completions, level)]\n")
+    over = [o for o in FAST if not o.startswith("reward.timeout_s")] + [
+        "reward.functions=[my_trl_rewards:varied]", "reward.timeout_s=30", "train.steps=2", "train.save_every=100"]
+    env = subprocess_env()
+    assert str(tmp_path) not in env["PYTHONPATH"]
+    proc = subprocess.run(cli_cmd("train", "--preset", "smoke", "--output", "run", "--no-progress", *sets(over)),
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = step_records(tmp_path / "run")
+    assert len(recs) == 2 and all(r["reward_mean"] > 0 and r["reward_warnings"] == 0 for r in recs)
+    assert all(not r["zero_update"] and r["update_norm"] > 0 for r in recs)
+    w = adapter_weights(tmp_path / "run" / "adapter")
+    assert any(t.abs().max() > 0 for k, t in w.items() if "lora_B" in k)  # B starts at 0: the adapter learned

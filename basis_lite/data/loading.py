@@ -21,6 +21,10 @@ a local file: ``.jsonl``, ``.json`` (a list of objects, or JSON lines), ``.csv``
     (a GSM8K solution) keeps the text after it; one holding ``\\boxed{}`` (a MATH solution) keeps the box content.
     A ``level`` field (an int or "Level 3") and a ``type``/``subject`` field go to meta for eval breakdowns.
 
+A question longer than ``data.max_question_chars`` (files and hub datasets) is cut to its last that many characters
+when loaded, before anything tokenizes it, with a warning; a gold answer longer than ``MAX_GOLD_CHARS`` makes its
+row a bad row. A directory given as ``data.dataset`` is a DataError naming the data files inside it.
+
 Bad rows (missing or empty question/answer, values that are not text or numbers, lines that are not valid UTF-8
 or not valid JSON) are skipped and counted; so are gold answers that math-verify cannot parse. When either share
 exceeds ``data.max_bad_fraction`` loading stops with a DataError naming the file, the count, the first bad rows
@@ -53,6 +57,7 @@ from .tasks import BUILTIN_TASKS, load_builtin
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "eval")
+MAX_GOLD_CHARS = 2000  # a longer gold answer is a bad row (math-verify would spend seconds and log all of it)
 LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 GOLD_STYLES = ("gsm8k", "math", "any")
 
@@ -135,8 +140,11 @@ def _row_meta(raw: dict) -> tuple:
 
 
 def _validate_rows(raw_rows: list[tuple[int, Any]], qf: str, af: str, where: str,
-                   gold_style: str) -> tuple[list[_Row], list[tuple[int, str]]]:
-    rows, bad = [], []
+                   gold_style: str, max_question_chars: int = 0) -> tuple[list[_Row], list[tuple[int, str]]]:
+    """Good rows and (row, reason) of bad ones. A question longer than `max_question_chars` (0 = no limit) is cut
+    to its last that many characters here, before anything tokenizes it (a 10 MB question would otherwise take
+    GBs in the tokenizer, to be cut to model.max_seq_length tokens anyway); a warning counts the cut ones."""
+    rows, bad, cut = [], [], []
     for n, raw in raw_rows:
         if not isinstance(raw, dict):
             bad.append((n, f"a JSON {type(raw).__name__}, not an object"))
@@ -153,7 +161,17 @@ def _validate_rows(raw_rows: list[tuple[int, Any]], qf: str, af: str, where: str
         if not gold:
             bad.append((n, f"no answer found in field {af!r}"))
             continue
+        if len(gold) > MAX_GOLD_CHARS:
+            bad.append((n, f"answer in field {af!r} longer than {MAX_GOLD_CHARS} characters ({len(gold)})"))
+            continue
+        if max_question_chars and len(q) > max_question_chars:
+            cut.append((n, len(q)))
+            q = q[-max_question_chars:].strip()
         rows.append(_Row(n, q, gold, _row_meta(raw)))
+    if cut:
+        log.warning("%s: cut %d question(s) longer than data.max_question_chars=%d characters to their last %d "
+                    "(first: row %d, %d characters)", where, len(cut), max_question_chars, max_question_chars,
+                    cut[0][0], cut[0][1])
     return rows, bad
 
 
@@ -292,13 +310,13 @@ def _read_file(path: Path, qf: str) -> tuple[list[tuple[int, Any]], list[tuple[i
 
 @functools.lru_cache(maxsize=8)
 def _load_file_rows(path_str: str, mtime_ns: int, size: int, qf: str, af: str,
-                    max_bad: float) -> tuple[tuple[_Row, ...], str]:
+                    max_bad: float, max_question_chars: int = 0) -> tuple[tuple[_Row, ...], str]:
     path = Path(path_str)
     raw, bad, total, columns, label = _read_file(path, qf)
     if total == 0:
         raise DataError(f"{path}: no rows")
     _check_fields(raw, qf, af, str(path), columns)
-    rows, bad2 = _validate_rows(raw, qf, af, str(path), "any")
+    rows, bad2 = _validate_rows(raw, qf, af, str(path), "any", max_question_chars)
     bad = sorted(bad + bad2)
     _check_bad(str(path), len(bad), total, _fmt_bad(bad, label), "rows are malformed", max_bad,
                "Fix or remove those rows, or raise data.max_bad_fraction.")
@@ -312,12 +330,28 @@ def _load_file_rows(path_str: str, mtime_ns: int, size: int, qf: str, af: str,
     return tuple(unique), label
 
 
+def _directory_error(path: Path) -> DataError:
+    """A folder given as data.dataset: say so, and name the data files inside it."""
+    try:
+        inside = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES)
+    except OSError:
+        inside = []
+    hint = (f"; data files in it: {', '.join(inside[:10])}" + (", ..." if len(inside) > 10 else "")) if inside else (
+        f"; it holds no {'/'.join(LOCAL_SUFFIXES)} file")
+    return DataError(f"data.dataset: {str(path)!r} is a directory, not a file; point data.dataset at one "
+                     f"{'/'.join(LOCAL_SUFFIXES)} file{hint}")
+
+
 def _local(cfg, split: str, path: Path) -> list[Example]:
+    if path.is_dir():
+        raise _directory_error(path)
     if not path.is_file():
-        raise DataError(f"data.dataset: file {str(path)!r} not found")
+        where = "" if path.parent.is_dir() else f" (its folder {str(path.parent)!r} does not exist either)"
+        raise DataError(f"data.dataset: file {str(path)!r} not found{where}")
     st = path.stat()
     rows, label = _load_file_rows(str(path.resolve()), st.st_mtime_ns, st.st_size, cfg.question_field,
-                                  cfg.answer_field, float(cfg.max_bad_fraction))
+                                  cfg.answer_field, float(cfg.max_bad_fraction),
+                                  int(getattr(cfg, "max_question_chars", 0) or 0))
     rows = list(rows)
     random.Random(f"local/{cfg.seed}").shuffle(rows)
     n_eval = int(cfg.eval_size)
@@ -415,7 +449,8 @@ def _hub(cfg, split: str, key: str) -> list[Example]:
     where = f"{spec['path']} ({hub_split})"
     raw = [(i, r) for i, r in enumerate(ds)]
     _check_fields(raw, spec["question"], spec["answer"], where, list(ds.column_names))
-    rows, bad = _validate_rows(raw, spec["question"], spec["answer"], where, spec["gold"])
+    rows, bad = _validate_rows(raw, spec["question"], spec["answer"], where, spec["gold"],
+                               int(getattr(cfg, "max_question_chars", 0) or 0))
     _check_bad(where, len(bad), len(raw), _fmt_bad(bad, "row"), "rows are malformed", cfg.max_bad_fraction,
                "Raise data.max_bad_fraction or use a cleaned local copy.")
     chosen = _select(rows, n, f"hub/{cfg.seed}/{split}", where, cfg.max_bad_fraction, "row")
@@ -441,6 +476,8 @@ def load_examples(cfg, split: str) -> list[Example]:
         return _local(cfg, split, path)
     accepted = (f"{', '.join(BUILTIN_TASKS)} (built in), {', '.join(HUB_DATASETS)} (hub), "
                 f"hf:owner/name[:config], or a path to a {'/'.join(LOCAL_SUFFIXES)} file")
+    if name and path.is_dir():
+        raise _directory_error(path)
     if name and path.exists():
         raise DataError(f"data.dataset: {name!r} is not a {'/'.join(LOCAL_SUFFIXES)} file; choose one of {accepted}")
     close = difflib.get_close_matches(name.lower(), BUILTIN_TASKS + tuple(HUB_DATASETS), n=1)

@@ -275,6 +275,11 @@ def level_table(task: str) -> dict[int, str]:
     return dict(_task(task).descriptions)
 
 
+def check_levels(name: str, levels: Any) -> list[int]:
+    """data.levels checked for built-in task `name` (config validation calls it); DataError naming what is accepted."""
+    return _check_levels(_task(name), levels)
+
+
 def _check_levels(task: _Task, levels: Any) -> list[int]:
     accepted = ", ".join(f"{k} ({v})" for k, v in task.descriptions.items())
     if not isinstance(levels, (list, tuple)) or not levels:

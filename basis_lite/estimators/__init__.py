@@ -85,8 +85,10 @@ class EstimatorSpec:
             raise ConfigError(f"estimator.options: expected a mapping, got {options!r}")
         if self.check_options is None:
             if options:
-                raise ConfigError(f"estimator.options: {self.name} takes no options; "
-                                  f"got {sorted(str(k) for k in options)}")
+                takes = [n for n, spec in _REGISTRY.items() if spec.check_options is not None]
+                raise ConfigError(f"estimator.options: {self.name} takes no options; got "
+                                  f"{sorted(str(k) for k in options)}. Remove estimator.options (estimators that "
+                                  f"take options: {', '.join(takes) or 'none'})")
             return {}
         return self.check_options(options)
 

@@ -7,6 +7,7 @@ docstring (basis_lite/estimators/basis.py).
 """
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import re
@@ -97,8 +98,10 @@ def validate_options(options: dict) -> dict:
         raise ConfigError(f"{PREFIX}: expected a mapping such as {{bandwidth: 0.3}}, got {options!r}")
     unknown = sorted(str(k) for k in options if k not in _NAMES)
     if unknown:
+        close = difflib.get_close_matches(unknown[0], _NAMES, n=1, cutoff=0.7)
+        hint = f" (did you mean {close[0]}?)" if close else ""
         more = f" (also unknown: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
-        raise ConfigError(f"{PREFIX}.{unknown[0]}: not an option of basis{more}; accepted options: "
+        raise ConfigError(f"{PREFIX}.{unknown[0]}: not an option of basis{hint}{more}; accepted options: "
                           f"{', '.join(sorted(_NAMES))}")
     out = dict(options)
     for key, value in options.items():
