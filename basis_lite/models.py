@@ -241,34 +241,47 @@ def smollm2_tokenizer(gguf: str | Path):
                            for t, ty in zip(tokens, meta["tokenizer.ggml.token_type"]) if ty == control])
     # the chat turn ends with <|im_end|> (also the generation config's eos): generation stops there
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>", unk_token="<|endoftext|>", clean_up_tokenization_spaces=False)
+                                  pad_token="<|im_end|>", unk_token="<|endoftext|>", clean_up_tokenization_spaces=False,
+                                  add_prefix_space=False)  # as the GGUF says (tokenizer.ggml.add_space_prefix)
     tok.chat_template = meta["tokenizer.chat_template"]
     return tok
 
 
+TINY_MERGED = "~~"  # builtin:tiny-random's one merged token (a special token; see build_tiny_tokenizer)
+
+
 def build_tiny_tokenizer():
-    """A byte-level tokenizer (256 bytes + ChatML specials) with a ChatML chat template: no download needed."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level tokenizer (256 bytes + ChatML specials) with a ChatML chat template: no download needed.
+
+    Every byte is its own token, except that `~~` merges into one special token (id 258, the slot an unused special
+    <|endoftext|> held before): GGUF files and llama.cpp need a BPE with at least one merge. It is special so that
+    `decode(skip_special_tokens=True)` drops it as it dropped that slot's previous token, and made of characters
+    the byte-level alphabet maps to themselves so that converters keep its text; the built-in tasks never write
+    `~~`, so their prompts and decoded completions are what they were with no merges at all.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
-    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    specials = ["<|im_start|>", "<|im_end|>", TINY_MERGED]
     for s in specials:
         vocab[s] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[(TINY_MERGED[0], TINY_MERGED[1])]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(specials)
+    tk.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in specials])
+    # add_prefix_space=False is only recorded (the pre-tokenizer already adds none): GGUF converters copy it, and
+    # readers of the GGUF that assume a prefix space otherwise drop a leading space when decoding
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>", unk_token="<|endoftext|>")
+                                  pad_token="<|im_end|>", add_prefix_space=False)
     tok.chat_template = CHATML_TEMPLATE
     return tok
 
 
 def builtin_tiny_random_dir(cache_dir: str = "", seed: int = 0) -> Path:
     """A 2-layer Llama (hidden 64) with the byte-level ChatML tokenizer, random weights, saved once to the cache."""
-    target = cache_root(cache_dir) / f"tiny-random-llama-{seed}"
+    target = cache_root(cache_dir) / f"tiny-random-llama-v2-{seed}"  # v2: the `~~` merge
     if (target / "config.json").exists():
         return target
     from transformers import LlamaConfig, LlamaForCausalLM
