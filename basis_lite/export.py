@@ -469,7 +469,7 @@ def _run_line(cfg: Config, target: Target) -> str:
 
 def _prompt_note(cfg: Config) -> str:
     sys_note = (f"the system message `{cfg.data.system_prompt}`" if cfg.data.system_prompt.strip()
-                else "no system message (the base template's default system turn was removed)")
+                else "no system message (a default system turn the base template inserts, if any, was removed)")
     answer = ("the answer is read from the last `\\boxed{...}`" if cfg.reward.require_boxed else
               "the answer is read by math-verify from the whole completion (its last number when nothing is boxed)")
     return (f"Prompts in training were the base's chat template with {sys_note}, and the user message "
