@@ -1,10 +1,10 @@
 """`basis-lite export RUN --gguf f16|q8_0` with llama.cpp's real converter, checked with a real transformers reload.
 
 Marker `gguf` (deselected by default; CI runs `pytest -m "gguf and not slow"` as a stage after the default suite): the
-first export fetches llama.cpp's converter (the pinned llama-cpp-python source distribution, 76 MB, through
-`pip download`, which prepares the sdist's metadata in an isolated build environment: a minute or two) into this
-session's throw-away cache, and needs `sentencepiece` (in the `test` and `gguf` extras). The built-in SmolLM2 test is
-marked `slow` as well (it fetches and converts the built-in model and trains 2 steps: a few minutes on 2 cores).
+first export fetches llama.cpp's converter (the pinned llama-cpp-python source distribution, through `pip download`,
+which prepares the sdist's metadata in an isolated build environment) into this session's throw-away cache, and needs
+`sentencepiece` (in the `test` and `gguf` extras). The built-in SmolLM2 test is marked `slow` as well (it fetches and
+converts the built-in model and trains 2 steps; durations are in the README's Tests section).
 
 What is checked, on a smoke run (tiny random model) whose adapter is perturbed so that it changes the logits
 clearly, as in tests/test_export.py:
