@@ -3,7 +3,7 @@
 
     basis-lite train   [--preset NAME_OR_PATH] [--set key=value ...] [--output DIR] [--resume RUN_DIR]
     basis-lite eval    RUN_DIR_OR_ADAPTER [--dataset NAME_OR_FILE] [--samples K] [--limit N] [--base] [--out FILE]
-    basis-lite export  RUN_DIR --out DIR [--merged] [--dtype bfloat16|float16] [--tolerance T]
+    basis-lite export  RUN_DIR --out DIR [--merged] [--dtype bfloat16|float16] [--gguf f16|q8_0] [--tolerance T]
     basis-lite prior   [--preset ...] [--set ...]       precompute the BASIS reference prior (cached)
     basis-lite plan    [--preset ...] [--gpu-memory GiB] [--all]   memory estimate by part
     basis-lite plot    RUN_DIR [--out DIR]              PNG charts of a run's metrics
@@ -87,13 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", default=None, help="JSON file for the results (default RUN_DIR/eval.json)")
 
-    p = sub.add_parser("export", help="save the adapter alone or a merged 16-bit model (checks itself)")
+    p = sub.add_parser("export", help="save the adapter alone, a merged 16-bit model or a GGUF (checks itself)")
     p.add_argument("run_dir", help="a run folder (or an adapter folder)")
     p.add_argument("--out", required=True, help="destination folder (must not exist or be empty)")
     p.add_argument("--merged", action="store_true",
                    help="merge into a full-precision copy of the base and save 16-bit safetensors")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="merged weights dtype (auto: bfloat16, float16 where the base config says so)")
+    p.add_argument("--gguf", default=None, choices=["f16", "q8_0"],
+                   help="write a GGUF for llama.cpp / Ollama / LM Studio with llama.cpp's converter (fetched once)")
     p.add_argument("--tolerance", type=float, default=None, help="max logit difference allowed in the self-check")
 
     p = sub.add_parser("prior", help="precompute the BASIS prior (K reference rollouts per training prompt)")
@@ -203,10 +205,20 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from basis_lite.export import export_run
 
-    report = export_run(args.run_dir, args.out, merged=args.merged, dtype=args.dtype, tolerance=args.tolerance)
+    report = export_run(args.run_dir, args.out, merged=args.merged, dtype=args.dtype, tolerance=args.tolerance,
+                        gguf=args.gguf)
     out = report["out"]
     if report["kind"] == "adapter":
         print(f"adapter written to {out} (load: PeftModel.from_pretrained(base, {out!r}); see README.md)")
+        return 0
+    if report["kind"] == "gguf":
+        c = report["check"]
+        print(f"self-check: reloaded {report['file']} with transformers vs the merged float32 model: max |logit diff| "
+              f"{c['max_abs_diff']:.4g} (tolerance {c['tolerance']:.4g}, max |logit| {c['max_abs_logit']:.4g}); "
+              f"same argmax at {100 * c['argmax_agreement']:.1f}% of {c['positions']} positions; same tokens on "
+              f"{c['tokenization_texts']} texts (tokenizer {c['tokenizer_model']}, pre {c['tokenizer_pre']})")
+        extra = " with an Ollama Modelfile" if report["modelfile"] else ""
+        print(f"{report['gguf_type']} GGUF written to {out}/{report['file']} ({report['size_mb']:.1f} MB){extra}")
         return 0
     c = report["check"]
     print(f"self-check: reloaded {c['saved_dtype']} model vs base + adapter (fp32): max |logit diff| "

@@ -3,6 +3,10 @@
     export_run(run_dir, out)                  adapter + tokenizer + README (loads with PeftModel)
     export_run(run_dir, out, merged=True,     merged safetensors for plain transformers / vLLM
                dtype="auto", tolerance=None)  (dtype: auto | bfloat16 | float16 | float32)
+    export_run(run_dir, out, gguf="q8_0")     a GGUF for llama.cpp / Ollama / LM Studio (gguf_export.py)
+
+Every export ships the chat template training used (`data.prompts.training_chat_template`), and adapter_config.json
+names the run's model.name as the base (`builtin:...` resolves with `models.resolve_model_path`).
 
 Merged export, step by step:
 
@@ -87,9 +91,10 @@ def merge_tolerance(max_abs_logit: float) -> float:
 
 
 def export_run(run_dir: str | Path, out: str | Path, merged: bool = False, dtype: str = "auto",
-               tolerance: float | None = None) -> dict:
+               tolerance: float | None = None, gguf: str | None = None) -> dict:
     """Export a run's (or an adapter folder's) adapter to `out`: the adapter alone, or with `merged` a merged model
-    in `dtype` that passed the self-check within `tolerance` (default: the rounding rule above).
+    in `dtype` that passed the self-check within `tolerance` (default: the rounding rule above), or with `gguf`
+    (f16 | q8_0) a GGUF file for llama.cpp / Ollama / LM Studio (`gguf_export.py`).
 
     Returns the export report (also written to `out`/basis_lite_export.json) plus "out": the folder.
     """
@@ -99,13 +104,25 @@ def export_run(run_dir: str | Path, out: str | Path, merged: bool = False, dtype
                           f"nothing to export")
     if tolerance is not None and not tolerance >= 0:
         raise ConfigError(f"--tolerance: expected a number >= 0 (max absolute logit difference), got {tolerance}")
+    if gguf is not None:
+        from .gguf_export import GGUF_TYPES
+
+        if gguf not in GGUF_TYPES:
+            raise ConfigError(f"--gguf: {gguf!r} is not a supported type; accepted: {', '.join(GGUF_TYPES)}")
+        if merged or dtype != "auto":
+            raise ConfigError("--gguf writes a GGUF file instead of a merged safetensors folder; drop --merged and "
+                              "--dtype (the type is the value of --gguf)")
     out = Path(out).expanduser()
     check_destination(out)
     cfg = load_run_config(target)
     # threads only: the export computes on the CPU in float32 whatever device and dtype the run trained with
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    if merged:
+    if gguf is not None:
+        from .gguf_export import export_gguf
+
+        report = export_gguf(cfg, target, out, gguf, tolerance=tolerance)
+    elif merged:
         report = export_merged(cfg, target, out, dtype_name=dtype, tolerance=tolerance)
     else:
         if dtype != "auto" or tolerance is not None:
@@ -184,13 +201,26 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _load_base_tokenizer(base_path: str):
+def _load_base_tokenizer(base_path: str, cfg: Config | None = None):
+    """The base tokenizer; with `cfg`, its chat template replaced by the one that renders the training prompts."""
     from transformers import AutoTokenizer
+
+    from .data.prompts import training_chat_template
 
     tok = AutoTokenizer.from_pretrained(base_path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    if cfg is not None:
+        tok.chat_template = training_chat_template(tok, cfg.data)
     return tok
+
+
+def _portable_adapter_config(src: Path, dst: Path, name: str) -> None:
+    """adapter_config.json with `base_model_name_or_path` set to the run's model.name (adapters of older runs hold
+    the absolute folder the base was loaded from on the training machine); every other key unchanged."""
+    spec = json.loads(src.read_text())
+    spec["base_model_name_or_path"] = name
+    dst.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
 
 
 def export_adapter(cfg: Config, target: Target, out: Path) -> dict:
@@ -198,10 +228,13 @@ def export_adapter(cfg: Config, target: Target, out: Path) -> dict:
     src = target.adapter
     files = [p for p in sorted(src.iterdir()) if p.is_file() and p.name not in ADAPTER_FILES_SKIPPED]
     base_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
-    tok = _load_base_tokenizer(base_path)
+    tok = _load_base_tokenizer(base_path, cfg)
     _need_space(out, sum(p.stat().st_size for p in files) + (32 << 20))
     with _Staging(out) as tmp:
         for p in files:
+            if p.name == "adapter_config.json":
+                _portable_adapter_config(p, tmp / p.name, cfg.model.name)
+                continue
             shutil.copy2(p, tmp / p.name)
             if _sha256(p) != _sha256(tmp / p.name):
                 raise ModelError(f"copy of {p} to {tmp / p.name} differs from the original; disk problem?")
@@ -324,7 +357,7 @@ def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "aut
     dtype = _target_dtype(dtype_name, base_config)
     if cfg.model.load_in_4bit:
         log.info("the run trained over a 4-bit base; merging into a float32 copy of the base instead")
-    tok = _load_base_tokenizer(base_path)
+    tok = _load_base_tokenizer(base_path, cfg)  # with the chat template that renders the training prompts
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)  # full precision, CPU
     model = PeftModel.from_pretrained(base, str(target.adapter))
     model.eval()
@@ -436,11 +469,23 @@ def _run_line(cfg: Config, target: Target) -> str:
 
 def _prompt_note(cfg: Config) -> str:
     sys_note = (f"the system message `{cfg.data.system_prompt}`" if cfg.data.system_prompt.strip()
-                else "no system message (a default one that the template inserts was removed)")
+                else "no system message (a default system turn the base template inserts, if any, was removed)")
     answer = ("the answer is read from the last `\\boxed{...}`" if cfg.reward.require_boxed else
               "the answer is read by math-verify from the whole completion (its last number when nothing is boxed)")
-    return (f"Prompts in training were the tokenizer's chat template with {sys_note}, and the user message "
-            f"`<question> {cfg.data.instruction}`; {answer}.")
+    return (f"Prompts in training were the base's chat template with {sys_note}, and the user message "
+            f"`<question> {cfg.data.instruction}`; {answer}. The chat template shipped here (`chat_template.jinja`) "
+            f"renders exactly those prompts, byte for byte, for a conversation without a system message: send the "
+            f"question plus the instruction as the user message.")
+
+
+def _base_loader(cfg: Config) -> str:
+    """The line of a README snippet that loads the base model named in adapter_config.json."""
+    name = cfg.model.name
+    if name.startswith("builtin:"):
+        return (f"from basis_lite.models import resolve_model_path  # {name} -> its local folder (fetched and "
+                f"converted once)\n\nbase = AutoModelForCausalLM.from_pretrained(resolve_model_path({name!r}), "
+                f"dtype=\"auto\")")
+    return f"base = AutoModelForCausalLM.from_pretrained({name!r}, dtype=\"auto\")"
 
 
 def _generate_snippet(cfg: Config, out: Path) -> str:
@@ -459,7 +504,9 @@ def _adapter_readme(cfg: Config, target: Target, out: Path, base_path: str) -> s
 {_run_line(cfg, target)}
 
 This folder holds the adapter in peft format (`adapter_config.json`, `adapter_model.safetensors`), the base
-model's tokenizer with its chat template, and the basis-lite run config (`{ADAPTER_RUN_CONFIG}`).
+model's tokenizer with the chat template training used, and the basis-lite run config (`{ADAPTER_RUN_CONFIG}`).
+`base_model_name_or_path` in adapter_config.json is the run's `model.name`, `{cfg.model.name}`: a hub id or folder
+loads as it is; a `builtin:` name is resolved to its local folder by `basis_lite.models.resolve_model_path`.
 
 ## Load
 
@@ -467,7 +514,7 @@ model's tokenizer with its chat template, and the basis-lite run config (`{ADAPT
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-base = AutoModelForCausalLM.from_pretrained("{base_path}", dtype="auto")
+{_base_loader(cfg)}
 model = PeftModel.from_pretrained(base, "{out}")
 {_generate_snippet(cfg, out)}
 ```
@@ -487,7 +534,7 @@ def _merged_readme(cfg: Config, target: Target, out: Path, report: dict) -> str:
 {_run_line(cfg, target)}
 
 The LoRA adapter `{target.adapter}` was merged into a float32 copy of the base and saved as {report['dtype']}
-safetensors with the base tokenizer and chat template. It loads in plain transformers or vLLM; no peft needed.
+safetensors with the base tokenizer and the chat template training used. It loads in plain transformers or vLLM; no peft needed.
 
 ## Load
 

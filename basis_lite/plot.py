@@ -1,13 +1,23 @@
 """PNG charts of a run's metrics.jsonl (`basis-lite plot RUN_DIR [--out DIR]`; matplotlib, Agg, imported only here).
 
     plots = plot_run(run_dir, out=None)      Plots(paths written, lines skipped, the metrics file)
+    figures = build_figures(steps, evals, rollouts_per_step=None, title="")   {file name: matplotlib Figure}
 
 Charts (each written only when its data is there):
 
-    reward.png              reward mean, accuracy and format rate of the rollouts vs step
-    explained_variance.png  explained variance of the rewards by the baseline vs step (1 = perfect, 0 = a constant)
+    training.png            one page: reward and accuracy with the held-out evals, explained variance, loss, KL,
+                            entropy, completion length, gradient norm, learning rate
+    reward.png              reward mean, accuracy and format rate of the rollouts vs step, with every held-out eval
+                            point (greedy accuracy) on the same axes
+    explained_variance.png  explained variance of the rewards by the baseline vs step, with what the leave-one-out
+                            batch mean scores and a note on reading it
     step_time.png           generation and training seconds per step, stacked
-    eval_accuracy.png       held-out greedy accuracy (overall and per level) at the eval points
+    eval_accuracy.png       held-out greedy accuracy (overall and per level) at every eval point, values written
+
+Noisy per-step series are drawn twice: the raw values thin and faint, and a centred moving average over `window`
+steps (odd, about a tenth of the run, at least 3) on top; runs shorter than 5 steps are drawn raw only. Eval points
+are never smoothed. The rollouts per step for the explained-variance reference come from the run's config.yaml
+(train.batch_size x estimator.rollouts_per_prompt) when it is there.
 
 The metrics are read with `basis_lite.metrics.read_metrics`: lines that fail to parse (a run killed mid-write) are
 skipped and counted; when a step appears twice (a run resumed without truncation) the later record wins. Torch-free.
@@ -15,12 +25,25 @@ skipped and counted; when a step appears twice (a run resumed without truncation
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
 from .metrics import FILE as METRICS_FILE
 from .metrics import read_metrics
+
+MIN_SMOOTH_POINTS = 5
+RAW_ALPHA = 0.35
+EV_NOTE = ("Explained variance = 1 - Var(r - b) / Var(r) over the rollouts of a step. With one rollout per prompt most "
+           "of the reward variance is the luck of each single rollout, which no baseline can predict: values near 0 "
+           "are expected even from a good baseline. A leave-one-out baseline (b never uses the rollout's own reward) "
+           "built from the plain batch mean scores 1 - (B/(B-1))^2 for B rollouts per step (dashed): above that line "
+           "the baseline removes more variance than that batch mean, by telling easier prompts from harder ones; "
+           "below it, less.")
+TRAINING_PANELS = [("loss", "loss (policy + KL)"), ("kl", "KL to the reference (k3)"), ("entropy", "entropy (nats/token)"),
+                   ("completion_len", "completion length (tokens)"), ("grad_norm", "gradient norm (before clipping)"),
+                   ("lr", "learning rate")]
 
 
 def _num(v) -> float:
@@ -37,31 +60,65 @@ def _series(records: list[dict], key: str) -> tuple[list[float], list[float]] | 
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def _figure():
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    fig = Figure(figsize=(7, 4), dpi=100)
-    ax = fig.add_subplot(1, 1, 1)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(True, alpha=0.3)
-    ax.set_xlabel("step")
-    return fig, ax
+def smoothing_window(n: int) -> int:
+    """The moving-average window for a series of n points: odd, about n/10, at least 3; 1 (none) below 5 points."""
+    if n < MIN_SMOOTH_POINTS:
+        return 1
+    w = max(3, n // 10)
+    return w if w % 2 else w + 1
 
 
-def _save(fig, path: Path) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+def smooth(ys: list[float], window: int) -> list[float]:
+    """Centred moving average (the window shrinks at the ends, NaNs are left out of each mean)."""
+    half = window // 2
+    out = []
+    for i in range(len(ys)):
+        vals = [y for y in ys[max(0, i - half):i + half + 1] if not math.isnan(y)]
+        out.append(sum(vals) / len(vals) if vals else math.nan)
+    return out
 
-    FigureCanvasAgg(fig)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, format="png")
-    tmp.replace(path)
-    return path
+
+def loo_mean_explained_variance(rollouts: int) -> float:
+    """What the leave-one-out batch mean scores: r_i - mean of the others = B/(B-1) (r_i - mean), whatever r is."""
+    return 1.0 - (rollouts / (rollouts - 1)) ** 2
 
 
 def _all_nan(ys: list[float]) -> bool:
     return all(math.isnan(y) for y in ys)
+
+
+def _figure(rows: int = 1, cols: int = 1, size: tuple[float, float] = (7, 4)):
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=size, dpi=100)
+    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(rows * cols)]
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(True, alpha=0.3)
+        ax.set_xlabel("step")
+    return fig, axes
+
+
+def _draw(ax, xs, ys, label: str, color=None, smooth_it: bool = True, lw: float = 1.8) -> None:
+    """A per-step series: raw (faint) + centred moving average, or the raw values alone for short runs."""
+    w = smoothing_window(len(xs)) if smooth_it else 1
+    marker = "o" if len(xs) < 30 else None
+    if w == 1:
+        ax.plot(xs, ys, marker=marker, markersize=3, color=color, lw=lw, label=label)
+        return
+    (raw,) = ax.plot(xs, ys, marker=marker, markersize=2, color=color, lw=0.8, alpha=RAW_ALPHA)
+    ax.plot(xs, smooth(ys, w), color=raw.get_color(), lw=lw, label=f"{label} (mean of {w} steps)")
+
+
+def _draw_evals(ax, evals: list[dict]) -> None:
+    if not evals:
+        return
+    xs = [r["step"] for r in evals]
+    ys = [_num(r["eval_accuracy"]) for r in evals]
+    n = evals[-1].get("eval_n")
+    ax.plot(xs, ys, marker="D", markersize=6, lw=1.2, ls="--", color="black",
+            label="held-out accuracy, greedy" + (f" (n={n})" if n else ""), zorder=5)
 
 
 @dataclass
@@ -69,6 +126,19 @@ class Plots:
     paths: list[Path]  # the charts written
     skipped: int  # lines of the metrics file that did not parse
     metrics: Path  # the metrics file read
+
+
+def _rollouts_per_step(run_dir: Path) -> int | None:
+    try:
+        import yaml
+
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        n = int(cfg["train"]["batch_size"]) * int((cfg.get("estimator") or {}).get("rollouts_per_prompt", 1) or 1)
+        return n if n > 1 else None
+    except (OSError, KeyError, TypeError, ValueError, AttributeError, ImportError):
+        return None
+    except Exception:  # noqa: BLE001 - a malformed YAML file only loses the reference line
+        return None
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Plots:
@@ -88,47 +158,57 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Plots:
         raise ConfigError(f"{metrics}: no step or eval records to plot ({bad}is the run just starting?)")
     out = Path(out) if out else run_dir / "plots"
     out.mkdir(parents=True, exist_ok=True)
-    title = run_dir.resolve().name
-    written: list[Path] = []
+    figures = build_figures(steps, evals, _rollouts_per_step(run_dir), run_dir.resolve().name)
+    return Plots([_save(fig, out / name) for name, fig in figures.items()], skipped, metrics)
 
-    # 1. rewards
-    lines = [(k, lab) for k, lab in (("reward_mean", "reward mean"), ("accuracy", "accuracy (correct answers)"),
-                                     ("format_rate", "format rate")) if _series(steps, k)]
-    if lines:
-        fig, ax = _figure()
-        for key, label in lines:
-            xs, ys = _series(steps, key)
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
-        ax.set_ylabel("per rollout, batch mean")
-        ax.set_title(f"{title}: training rewards")
-        ax.legend(loc="best")
-        written.append(_save(fig, out / "reward.png"))
 
-    # 2. explained variance of the rewards by the baseline
-    s = _series(steps, "explained_variance")
-    if s:
-        xs, ys = s
-        fig, ax = _figure()
-        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, color="tab:purple")
-        ax.axhline(0.0, color="grey", lw=0.8, ls="--")
-        ax.set_ylabel("explained variance  1 - Var(r - b) / Var(r)")
+def _save(fig, path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, format="png")
+    tmp.replace(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the charts
+
+
+def build_figures(steps: list[dict], evals: list[dict], rollouts_per_step: int | None = None,
+                  title: str = "") -> dict:
+    """{file name: Figure} for the records given (see the module docstring for what each holds)."""
+    figures = {}
+    has_training = any(_series(steps, k) for k, _ in TRAINING_PANELS)
+    if has_training:
+        figures["training.png"] = _training_page(steps, evals, rollouts_per_step, title)
+    rewards = [(k, lab) for k, lab in (("reward_mean", "reward mean"), ("accuracy", "accuracy"),
+                                       ("format_rate", "format rate")) if _series(steps, k)]
+    if rewards:
+        fig, (ax,) = _figure(size=(8, 4.5))
+        _reward_axes(ax, steps, evals, rewards)
+        ax.set_title(f"{title}: rewards of the rollouts, and held-out accuracy")
+        figures["reward.png"] = fig
+    if _series(steps, "explained_variance"):
+        fig, (ax,) = _figure(size=(8, 5.2))
+        _ev_axes(ax, steps, rollouts_per_step)
         ax.set_title(f"{title}: baseline explained variance")
-        if _all_nan(ys):
-            ax.text(0.5, 0.5, "undefined at every step\n(rewards constant within each batch)",
-                    transform=ax.transAxes, ha="center", va="center", color="grey")
-            ax.set_ylim(-1, 1)
-            ax.set_xlim(min(xs) - 0.5, max(xs) + 0.5)
-        written.append(_save(fig, out / "explained_variance.png"))
+        fig.text(0.02, 0.02, "\n".join(textwrap.wrap(EV_NOTE, 130)), fontsize=7.5, va="bottom", ha="left",
+                 color="dimgrey")
+        from matplotlib.layout_engine import TightLayoutEngine
 
-    # 3. step time
+        fig.set_layout_engine(TightLayoutEngine(rect=(0, 0.17, 1, 1)))
+        figures["explained_variance.png"] = fig
     g, t = _series(steps, "generation_s"), _series(steps, "training_s")
     if g or t:
-        fig, ax = _figure()
+        fig, (ax,) = _figure()
         if g and t and g[0] == t[0]:
-            xs = g[0]
             gy = [0.0 if math.isnan(y) else y for y in g[1]]
             ty = [0.0 if math.isnan(y) else y for y in t[1]]
-            ax.stackplot(xs, gy, ty, labels=["generation", "training"], alpha=0.8)
+            ax.stackplot(g[0], gy, ty, labels=["generation", "training"], alpha=0.8)
         else:
             for ser, label in ((g, "generation"), (t, "training")):
                 if ser:
@@ -136,23 +216,89 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Plots:
         ax.set_ylabel("seconds per step")
         ax.set_title(f"{title}: step time")
         ax.legend(loc="upper left")
-        written.append(_save(fig, out / "step_time.png"))
-
-    # 4. held-out eval accuracy
+        figures["step_time.png"] = fig
     if evals:
-        fig, ax = _figure()
-        xs = [r["step"] for r in evals]
-        ax.plot(xs, [_num(r["eval_accuracy"]) for r in evals], marker="o", lw=2, color="black", label="overall")
-        level_keys = sorted({k for r in evals for k in r if k.startswith("eval_accuracy_level")},
-                            key=lambda k: (len(k), k))
-        for key in level_keys:
-            pts = [(r["step"], _num(r[key])) for r in evals if key in r]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", ls="--",
-                    label=key.replace("eval_accuracy_", "").replace("level", "level "))
-        n = evals[-1].get("eval_n")
-        ax.set_ylabel("greedy accuracy" + (f" (n={n})" if n else ""))
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title(f"{title}: held-out accuracy")
-        ax.legend(loc="best")
-        written.append(_save(fig, out / "eval_accuracy.png"))
-    return Plots(written, skipped, metrics)
+        figures["eval_accuracy.png"] = _eval_figure(evals, title)
+    return figures
+
+
+def _reward_axes(ax, steps, evals, rewards) -> None:
+    """Reward series (a series equal to an earlier one at every step is drawn once, the labels joined) and the evals."""
+    drawn: list[tuple[list, list[float], list[str]]] = []
+    for key, label in rewards:
+        xs, ys = _series(steps, key)
+        same = next((d for d in drawn if d[0] == xs and d[1] == ys), None)
+        if same:
+            same[2].append(label)
+        else:
+            drawn.append((xs, ys, [label]))
+    for xs, ys, labels in drawn:
+        _draw(ax, xs, ys, " = ".join(labels))
+    _draw_evals(ax, evals)
+    ax.set_ylabel("batch mean per rollout / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(loc="upper left", fontsize=8, framealpha=0.7)
+
+
+def _ev_axes(ax, steps, rollouts_per_step) -> None:
+    """Explained variance with the leave-one-out batch mean's value as a reference line."""
+    xs, ys = _series(steps, "explained_variance")
+    _draw(ax, xs, ys, "explained variance", color="tab:purple")
+    ax.axhline(0.0, color="grey", lw=0.8)
+    if rollouts_per_step:
+        ref = loo_mean_explained_variance(rollouts_per_step)
+        ax.axhline(ref, color="tab:red", lw=1, ls="--",
+                   label=f"leave-one-out batch mean, B={rollouts_per_step}: {ref:.3f}")
+    ax.set_ylabel("1 - Var(r - b) / Var(r)")
+    if _all_nan(ys):
+        ax.text(0.5, 0.5, "undefined at every step\n(rewards constant within each batch)",
+                transform=ax.transAxes, ha="center", va="center", color="grey")
+        ax.set_ylim(-1, 1)
+        ax.set_xlim(min(xs) - 0.5, max(xs) + 0.5)
+    ax.legend(loc="best", fontsize=7, framealpha=0.7)
+
+
+def _training_page(steps, evals, rollouts_per_step, title: str):
+    fig, axes = _figure(2, 4, size=(17, 7.5))
+    rewards = [(k, lab) for k, lab in (("reward_mean", "reward"), ("accuracy", "accuracy")) if _series(steps, k)]
+    _reward_axes(axes[0], steps, evals, rewards)
+    axes[0].set_title("reward, accuracy, held-out evals")
+    if _series(steps, "explained_variance"):
+        _ev_axes(axes[1], steps, rollouts_per_step)
+    axes[1].set_title("baseline explained variance")
+    for ax, (key, label) in zip(axes[2:], TRAINING_PANELS):
+        s = _series(steps, key)
+        ax.set_title(label)
+        if not s or _all_nan(s[1]):
+            ax.text(0.5, 0.5, "not recorded", transform=ax.transAxes, ha="center", va="center", color="grey")
+            continue
+        _draw(ax, s[0], s[1], label, color="tab:blue", smooth_it=key != "lr")
+        if key == "kl" and all(y == 0 for y in s[1]):
+            ax.text(0.5, 0.6, "0 at every step: not computed\n(train.kl_coef = 0)", transform=ax.transAxes,
+                    ha="center", va="center", color="grey")
+        if key == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    fig.suptitle(f"{title}: training" if title else "training")
+    return fig
+
+
+def _eval_figure(evals: list[dict], title: str):
+    fig, (ax,) = _figure()
+    xs = [r["step"] for r in evals]
+    ys = [_num(r["eval_accuracy"]) for r in evals]
+    ax.plot(xs, ys, marker="o", lw=2, color="black", label="overall")
+    for x, y in zip(xs, ys):
+        if not math.isnan(y):
+            ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
+    level_keys = sorted({k for r in evals for k in r if k.startswith("eval_accuracy_level")},
+                        key=lambda k: (len(k), k))
+    for key in level_keys:
+        pts = [(r["step"], _num(r[key])) for r in evals if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", ls="--",
+                label=key.replace("eval_accuracy_", "").replace("level", "level "))
+    n = evals[-1].get("eval_n")
+    ax.set_ylabel("greedy accuracy" + (f" (n={n})" if n else ""))
+    ax.set_ylim(-0.02, 1.08)
+    ax.set_title(f"{title}: held-out accuracy at every eval")
+    ax.legend(loc="best", fontsize=8)
+    return fig

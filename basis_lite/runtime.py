@@ -1,7 +1,7 @@
 """Setting up what every command needs: seeds, threads, device and dtype, and the policy with its rollout engine.
 
     device, dtype = setup_device(cfg)            # torch threads (train.threads), cpu/cuda, the compute dtype
-    model, tok, engine = build_policy(cfg, device, dtype, adapter_path=None)
+    model, tok, engine = build_policy(cfg, device, dtype, adapter_path=None)   # adapter names model.name as its base
 
 `train`, `eval`, `export` and `prior` all go through these, so a choice (threads, dtype auto) is made in one place.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import warnings
 
 import numpy as np
 import torch
@@ -44,7 +45,22 @@ def build_policy(cfg: Config, device, dtype, adapter_path=None):
         from .models import load_policy
 
         model, tok = load_policy(cfg, device, dtype, adapter_path)
+    set_portable_base_name(model, cfg.model.name)
     return model, tok, make_engine(cfg, model, tok, backend)
+
+
+def set_portable_base_name(model, name: str) -> None:
+    """Record `model.name` as given (a hub id, a local folder, or `builtin:...`, which
+    `basis_lite.models.resolve_model_path` turns into the local folder) as the adapter's `base_model_name_or_path`,
+    instead of the folder the base was loaded from (for a built-in model, this machine's cache)."""
+    for peft_cfg in (getattr(model, "peft_config", None) or {}).values():
+        peft_cfg.base_model_name_or_path = name
+
+
+# peft's save_pretrained looks for the base's config.json under that name to see whether the vocabulary was resized;
+# for a `builtin:` name it finds none, warns, and saves no embedding layers, as it would after finding an unchanged
+# vocabulary (LoRA here never resizes or trains embeddings)
+warnings.filterwarnings("ignore", message=r"Could not find a config file in builtin:", category=UserWarning)
 
 
 def make_engine(cfg: Config, model, tok, backend: str = "hf"):

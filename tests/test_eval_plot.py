@@ -109,7 +109,7 @@ def _assert_pngs(paths: list[Path]) -> None:
 
 def test_plot_writes_valid_pngs(run, capsys):
     assert cli.main(["plot", str(run)]) == 0
-    names = {"reward.png", "explained_variance.png", "step_time.png", "eval_accuracy.png"}
+    names = {"training.png", "reward.png", "explained_variance.png", "step_time.png", "eval_accuracy.png"}
     assert {p.name for p in (run / "plots").iterdir()} == names
     _assert_pngs([run / "plots" / n for n in names])
     printed = capsys.readouterr().out
@@ -128,7 +128,7 @@ def test_plot_skips_bad_lines_and_writes_to_out(run, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "skipped 4 line(s)" in printed
     pngs = sorted(out.glob("*.png"))
-    assert len(pngs) == 4
+    assert len(pngs) == 5
     _assert_pngs(pngs)
     assert not (copy / "plots").exists()
 
@@ -149,3 +149,97 @@ def test_plot_errors_exit_2(tmp_path, capsys):
     assert cli.main(["plot", str(tmp_path)]) == 2
     assert "no step or eval records" in capsys.readouterr().err
     assert not (tmp_path / "plots").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what the charts hold (matplotlib figures, inspected before they are written)
+
+
+def _synthetic(n_steps: int = 40, eval_every: int = 10):
+    import random
+
+    rng = random.Random(0)
+    steps = [{"step": s, "reward_mean": 0.1 + s / 100, "accuracy": 0.1 + s / 100, "format_rate": 0.5,
+              "explained_variance": rng.gauss(0, 0.1), "loss": rng.gauss(0, 0.01), "kl": 0.0,
+              "entropy": 1 - s / 100, "completion_len": 30.0, "grad_norm": 0.2, "lr": 1e-4,
+              "generation_s": 1.0, "training_s": 2.0} for s in range(1, n_steps + 1)]
+    evals = [{"step": s, "event": "eval", "eval_accuracy": 0.2 + s / 100, "eval_n": 50}
+             for s in range(0, n_steps + 1, eval_every)]
+    evals.append({"step": n_steps, "event": "eval_final", "eval_accuracy": 0.7, "eval_n": 50})
+    return steps, evals
+
+
+def _line(ax, prefix: str):
+    return next(ln for ln in ax.get_lines() if ln.get_label().startswith(prefix))
+
+
+def test_charts_show_every_eval_point_smoothing_and_the_training_panels():
+    from basis_lite.plot import build_figures, smooth, smoothing_window
+
+    steps, evals = _synthetic()
+    figs = build_figures(steps, evals, rollouts_per_step=32, title="t")
+    assert set(figs) == {"training.png", "reward.png", "explained_variance.png", "step_time.png",
+                         "eval_accuracy.png"}
+    eval_steps = [r["step"] for r in evals]  # 0, 10, 20, 30, 40 and the final eval at 40
+    for ax in (figs["reward.png"].axes[0], figs["training.png"].axes[0]):
+        held_out = _line(ax, "held-out accuracy")
+        assert list(held_out.get_xdata()) == eval_steps
+        assert list(held_out.get_ydata()) == [r["eval_accuracy"] for r in evals]
+    ax = figs["reward.png"].axes[0]
+    # reward and accuracy are equal here: drawn once, both named; raw + a centred mean of 5 steps (40 steps)
+    assert smoothing_window(40) == 5
+    smoothed = _line(ax, "reward mean = accuracy (mean of 5 steps)")
+    ys = [r["reward_mean"] for r in steps]
+    assert list(smoothed.get_ydata()) == pytest.approx(smooth(ys, 5))
+    titles = [a.get_title() for a in figs["training.png"].axes]
+    for word in ("reward", "explained variance", "loss", "KL", "entropy", "completion length", "gradient norm",
+                 "learning rate"):
+        assert any(word in t for t in titles), (word, titles)
+    kl_ax = next(a for a in figs["training.png"].axes if a.get_title().startswith("KL"))
+    assert any("not computed" in t.get_text() for t in kl_ax.texts)  # kl is 0 at every step here
+    assert [len(eval_ax.get_lines()) for eval_ax in figs["eval_accuracy.png"].axes] == [1]
+    assert len(figs["eval_accuracy.png"].axes[0].texts) == len(evals)  # every point's value written
+
+
+def test_smoothing_is_a_centred_mean_and_short_runs_stay_raw():
+    from basis_lite.plot import smooth, smoothing_window
+
+    assert [smoothing_window(n) for n in (3, 4, 5, 29, 30, 100, 1000)] == [1, 1, 3, 3, 3, 11, 101]
+    assert smooth([0.0, 3.0, 6.0, 9.0], 3) == [1.5, 3.0, 6.0, 7.5]
+    assert smooth([1.0, float("nan"), 3.0], 3) == [1.0, 2.0, 3.0]
+    from basis_lite.plot import build_figures
+
+    steps, evals = _synthetic(n_steps=4, eval_every=2)
+    ax = build_figures(steps, evals)["reward.png"].axes[0]
+    assert not any("mean of" in ln.get_label() for ln in ax.get_lines())
+
+
+def test_explained_variance_reference_is_what_the_leave_one_out_mean_scores():
+    """The dashed line: 1 - (B/(B-1))^2, checked against the explained variance of a real leave-one-out batch mean
+    (the metric the trainer logs) on random rewards; and the note is on the chart."""
+    import numpy as np
+    import torch
+
+    from basis_lite.estimators.base import explained_variance
+    from basis_lite.plot import EV_NOTE, build_figures, loo_mean_explained_variance
+
+    rng = np.random.default_rng(0)
+    for b in (8, 32, 128):
+        r = torch.tensor(rng.integers(0, 2, b), dtype=torch.float64)
+        loo = (r.sum() - r) / (b - 1)
+        assert explained_variance(r, loo) == pytest.approx(loo_mean_explained_variance(b), rel=1e-9)
+    steps, evals = _synthetic()
+    fig = build_figures(steps, evals, rollouts_per_step=32)["explained_variance.png"]
+    ref = _line(fig.axes[0], "leave-one-out batch mean")
+    assert list(ref.get_ydata()) == [pytest.approx(1 - (32 / 31) ** 2)] * 2
+    assert any(t.get_text().replace("\n", " ").startswith(EV_NOTE[:60]) for t in fig.texts)
+    no_cfg = build_figures(steps, evals)["explained_variance.png"]
+    assert not any(ln.get_label().startswith("leave-one-out") for ln in no_cfg.axes[0].get_lines())
+
+
+def test_plot_reads_rollouts_per_step_from_the_run_config(run, tmp_path):
+    from basis_lite.plot import _rollouts_per_step
+
+    assert _rollouts_per_step(run) == 8  # smoke preset: train.batch_size 8 x 1 rollout
+    (tmp_path / "config.yaml").write_text("not: [valid")
+    assert _rollouts_per_step(tmp_path) is None

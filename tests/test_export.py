@@ -30,12 +30,37 @@ from basis_lite import export as export_mod  # noqa: E402
 def env(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("BASIS_LITE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    run = train_smoke(tmp_path_factory.mktemp("export") / "run", *SMALL, "train.steps=1", one_thread=True)
+    run = train_smoke(tmp_path_factory.mktemp("export") / "run", *SMALL, "train.steps=1", f"data.system_prompt={SYSTEM!r}",
+                      one_thread=True)
     _perturb_lora_b(run / "adapter" / "adapter_model.safetensors")
     from basis_lite.models import resolve_model_path
 
     yield {"run": run, "base_path": resolve_model_path("builtin:tiny-random")}
     mp.undo()
+
+
+SYSTEM = "You are a careful calculator."  # the run trains with it; the tiny model's own template has none
+
+
+def assert_training_prompts_reproduced(template: str, env) -> None:
+    """`template` (an export's chat template) renders the run's training prompts byte for byte for a conversation of
+    one user message (question + instruction), where the base template alone would not (it has no system turn)."""
+    from transformers import AutoTokenizer
+
+    from basis_lite.config import load_config_file
+    from basis_lite.data import format_prompt, load_examples
+
+    base_tok = AutoTokenizer.from_pretrained(env["base_path"])
+    cfg = load_config_file(env["run"] / "config.yaml")
+    examples = load_examples(cfg.data, "eval")
+    assert examples
+    for ex in examples:
+        trained = format_prompt(base_tok, ex.question, cfg.data)
+        msgs = [{"role": "user", "content": f"{ex.question} {cfg.data.instruction}"}]
+        assert SYSTEM in trained
+        assert base_tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
+                                            add_generation_prompt=True) == trained
+        assert base_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) != trained
 
 
 def _perturb_lora_b(path: Path) -> None:
@@ -96,6 +121,13 @@ def test_export_adapter_loads_with_peft_and_gives_identical_logits(env, tmp_path
     assert "PeftModel.from_pretrained" in readme and str(out) in readme
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.chat_template, "the exported tokenizer lost its chat template"
+    assert (out / "chat_template.jinja").read_text() == tok.chat_template
+    assert_training_prompts_reproduced(tok.chat_template, env)
+    # the base is named portably (the run's model.name), not by this machine's cache folder
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "builtin:tiny-random"
+    assert json.loads((env["run"] / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        "builtin:tiny-random"
+    assert "resolve_model_path('builtin:tiny-random')" in readme
 
     ids = _prompts(tok)
     exported = PeftModel.from_pretrained(_base(env["base_path"]), str(out))
@@ -132,7 +164,8 @@ def test_export_merged_bf16_reloads_in_plain_transformers_within_tolerance(env, 
 
     # independent comparison: plain transformers (no peft) vs base + adapter, both fp32
     tok = AutoTokenizer.from_pretrained(out)
-    assert tok.chat_template
+    assert (out / "chat_template.jinja").read_text() == tok.chat_template
+    assert_training_prompts_reproduced(tok.chat_template, env)
     ids = _prompts(tok)
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert not any("lora" in n for n, _ in merged.named_parameters())
@@ -244,6 +277,27 @@ def test_too_little_free_space_is_refused_before_writing(env, tmp_path, monkeypa
     out = tmp_path / "tiny-disk"
     assert cli.main(["export", str(env["run"]), "--out", str(out)]) == 2
     assert "not enough free space" in capsys.readouterr().err
+    _no_leftovers(out)
+
+
+def test_gguf_argument_errors_name_the_accepted_values(env, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "g"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", str(env["run"]), "--out", str(out), "--gguf", "q4_0"])
+    assert e.value.code == 2 and "invalid choice: 'q4_0'" in capsys.readouterr().err
+    from basis_lite.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="accepted: f16, q8_0"):
+        export_mod.export_run(env["run"], out, gguf="q4_0")
+    assert cli.main(["export", str(env["run"]), "--out", str(out), "--gguf", "q8_0", "--merged"]) == 2
+    assert "drop --merged" in capsys.readouterr().err
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sentencepiece"
+                        else real_find_spec(name, *a))
+    assert cli.main(["export", str(env["run"]), "--out", str(out), "--gguf", "f16"]) == 2
+    assert "pip install 'basis-lite[gguf]'" in capsys.readouterr().err
     _no_leftovers(out)
 
 

