@@ -130,6 +130,12 @@ class TrainConfig:
     bpo_cap: float = 5.0  # BPO: cap C on the complementary-probability weight
     bpo_eps: float = 0.1  # BPO: smoothing epsilon
     kl_coef: float = 0.0  # KL to the reference (the base with the adapter disabled); 0 = off, no extra forward
+    ppo_epochs: int = 1  # optimizer steps (passes) per batch of rollouts; > 1 reuses them and the clip acts
+    # truncated importance weights min(pi_trainer / pi_engine, mismatch_cap) on every token, for the engine's
+    # numerics differing from the trainer's: auto (on for vllm engines, off for hf) | always | never (YAML's
+    # true/on and false/off read as always and never)
+    mismatch_correction: Any = "auto"
+    mismatch_cap: float = 3.0  # >= 1: the truncation of those weights
     logprob_chunk_size: int = 1024  # tokens per chunk of the lm_head + log-softmax (never the full [B, T, V] fp32 tensor)
     eval_every: int = 0  # greedy held-out eval every N steps (0 = only before and after training)
     eval_batch_size: int = 64
@@ -140,6 +146,17 @@ class TrainConfig:
     seed: int = 0
     threads: int = 0  # torch CPU threads (0 = all cores)
     report_to: list = field(default_factory=list)  # extra loggers: tensorboard, wandb (metrics.jsonl always)
+
+
+@dataclass
+class EapoConfig:
+    """EAPO experience injection (basis_lite/eapo.py): HF engine only."""
+
+    prior_adapter: str = ""  # a peft adapter folder trained on the same base (an earlier run's adapter/); "" = off
+    entropy_threshold: float = 0.5  # critical point: the policy's next-token entropy (nats, at the sampling T) >= this
+    injection_rate: float = 0.5  # in [0, 1]: probability that the prior samples the token at a critical point
+    weight_cap: float = 2.0  # >= 1: importance weights pi/prior are truncated at this
+    is_level: str = "sequence"  # sequence (product over the injected tokens, every token) | token (injected ones)
 
 
 @dataclass
@@ -154,6 +171,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eapo: EapoConfig = field(default_factory=EapoConfig)
 
 
 CHOICES = {
@@ -165,14 +183,17 @@ CHOICES = {
     "train.schedule": ("cosine", "constant"),
     "train.optimizer": ("auto", "adamw", "adamw8bit"),
     "train.loss": ("ppo_clip", "bpo"),
+    "train.mismatch_correction": ("auto", "always", "never"),
+    "eapo.is_level": ("sequence", "token"),
 }
 POSITIVE = ("train.steps", "train.batch_size", "train.micro_batch_size", "generation.max_new_tokens",
             "generation.batch_size", "estimator.rollouts_per_prompt", "lora.r", "model.max_seq_length",
             "train.eval_batch_size", "train.eval_max_new_tokens", "train.save_every", "train.keep_last",
-            "train.max_bad_steps")
+            "train.max_bad_steps", "train.ppo_epochs")
 NON_NEGATIVE = ("train.lr", "train.weight_decay", "train.warmup_steps", "train.kl_coef", "train.eval_every",
                 "estimator.prior_samples", "data.eval_size", "data.train_size", "generation.temperature",
-                "reward.timeout_s", "train.threads", "train.clip_low", "train.clip_high")
+                "reward.timeout_s", "train.threads", "train.clip_low", "train.clip_high",
+                "eapo.entropy_threshold")
 
 
 _SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -306,6 +327,8 @@ def get(cfg: Config, key: str) -> Any:
 
 
 def validate(cfg: Config) -> None:
+    if isinstance(cfg.train.mismatch_correction, bool):
+        cfg.train.mismatch_correction = "always" if cfg.train.mismatch_correction else "never"
     for key, choices in CHOICES.items():
         if key == "estimator.name":
             choices = estimator_names()
@@ -346,6 +369,20 @@ def validate(cfg: Config) -> None:
     for fn in cfg.reward.functions:
         if not isinstance(fn, str) or ":" not in fn:
             raise ConfigError(f"reward.functions: {fn!r} is not of the form 'package.module:function'")
+    for key in ("train.mismatch_cap", "eapo.weight_cap"):
+        if get(cfg, key) < 1:
+            raise ConfigError(f"{key}: must be >= 1 (importance weights are truncated at it), got {get(cfg, key)!r}")
+    if not 0 <= cfg.eapo.injection_rate <= 1:
+        raise ConfigError(f"eapo.injection_rate: must be in [0, 1], got {cfg.eapo.injection_rate}")
+    if cfg.eapo.prior_adapter:
+        if cfg.generation.engine != "hf":
+            raise ConfigError(f"eapo.prior_adapter: experience injection runs on generation.engine=hf only, not "
+                              f"{cfg.generation.engine!r}; set generation.engine=hf or eapo.prior_adapter=''")
+        if cfg.model.backend == "unsloth":
+            raise ConfigError("eapo.prior_adapter: experience injection needs model.backend hf (or auto on a machine "
+                              "without Unsloth), not unsloth; or set eapo.prior_adapter=''")
+        if cfg.generation.temperature <= 0:
+            raise ConfigError("eapo.prior_adapter: experience injection samples; generation.temperature must be > 0")
     bad = [r for r in t.report_to if r not in ("tensorboard", "wandb")]
     if bad:
         raise ConfigError(f"train.report_to: {bad} not accepted; choose from tensorboard, wandb")

@@ -40,7 +40,7 @@ from .models import cache_root, count_parameters, peak_memory_mb
 from .priors import load_or_compute_prior, prior_values
 from .rewards import RewardScorer
 from .runtime import build_policy, seed_everything, setup_device
-from .update import make_optimizer, make_scheduler, policy_update
+from .update import OPTIONAL_STEP_METRICS, make_optimizer, make_scheduler, policy_update
 
 log = logging.getLogger("basis_lite")
 
@@ -138,7 +138,8 @@ def setup(cfg: Config, run_dir: str | Path | None, resume: bool, progress: bool)
         raise ConfigError(f"output folder {run_dir} already holds a run; pass --resume {run_dir} to continue it "
                           f"or choose another --output")
     seed_everything(cfg.train.seed)
-    model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(last / "adapter") if last else None)
+    model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(last / "adapter") if last else None,
+                                      training=True)
     n_train, n_total = count_parameters(model)
     log.info("model %s on %s (%s): %.2fM trainable of %.1fM parameters", cfg.model.name, device, dtype,
              n_train / 1e6, n_total / 1e6)
@@ -229,6 +230,7 @@ def rollout(run: RunState, batch) -> list:
     prompts = [run.prompt_of[ex.id] for ex in batch]
     run.engine.sync(run.model)
     params = params_from_config(run.cfg.generation, n=run.cfg.estimator.rollouts_per_prompt)
+    params.inject = bool(run.cfg.eapo.prior_adapter)  # EAPO: training rollouts only, never eval or the prior
     return run.engine.generate(prompts, params, with_features=run.uses_features)
 
 
@@ -303,6 +305,7 @@ def step_record(run: RunState, step, rollouts, rewards, scored, adv, base, stats
         "generation_s": gen_s, "training_s": train_s, "tokens_per_s": comp_tokens / max(1e-9, gen_s + train_s),
         "peak_memory_mb": peak_memory_mb(run.device), "reward_warnings": run.scorer.warning_count,
         "skipped": not ok,
+        **{k: stats[k] for k in OPTIONAL_STEP_METRICS if k in stats},
     }
 
 
