@@ -150,10 +150,12 @@ class TrainConfig:
 
 @dataclass
 class EapoConfig:
-    """EAPO experience injection (basis_lite/eapo.py): HF engine only."""
+    """EAPO experience injection (basis_lite/eapo.py): HF engine only. The default threshold is the 90th
+    percentile of the default model's next-token entropy in bench/results/eapo_entropy.md; rate and cap are
+    choices, not measurements."""
 
     prior_adapter: str = ""  # a peft adapter folder trained on the same base (an earlier run's adapter/); "" = off
-    entropy_threshold: float = 0.5  # critical point: the policy's next-token entropy (nats, at the sampling T) >= this
+    entropy_threshold: float = 2.0  # critical point: the policy's next-token entropy (nats, at the sampling T) >= this
     injection_rate: float = 0.5  # in [0, 1]: probability that the prior samples the token at a critical point
     weight_cap: float = 2.0  # >= 1: importance weights pi/prior are truncated at this
     is_level: str = "sequence"  # sequence (product over the injected tokens, every token) | token (injected ones)
