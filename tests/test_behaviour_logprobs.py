@@ -220,3 +220,36 @@ def test_training_with_two_epochs(tmp_path):
     assert r1[0]["reward_mean"] == r2[0]["reward_mean"]  # the same first rollouts
     w1, w2 = adapter_weights(one / "adapter"), adapter_weights(two / "adapter")
     assert any(not torch.equal(w1[k], w2[k]) for k in w1)
+
+
+@pytest.mark.parametrize("which", ["ppo", "bpo"])
+def test_loss_weights_multiply_each_token(which):
+    """weights w: the loss is sum m w l / N and its gradient w times the unweighted one, token by token."""
+    from basis_lite.losses import bpo_loss, ppo_clip_loss
+
+    g = torch.Generator().manual_seed(0)
+    lp = (torch.randn(2, 5, generator=g) - 2).requires_grad_()
+    old = lp.detach() + 0.3 * torch.randn(2, 5, generator=g)
+    adv = torch.tensor([1.0, -0.5])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    w = torch.rand(2, 5, generator=g) * 3
+    fn = ppo_clip_loss if which == "ppo" else bpo_loss
+    base, _ = fn(lp, old, adv, mask, num_tokens=8)
+    g_base = torch.autograd.grad(base, lp)[0]
+    weighted, _ = fn(lp, old, adv, mask, num_tokens=8, weights=w)
+    g_w = torch.autograd.grad(weighted, lp)[0]
+    torch.testing.assert_close(g_w, g_base * w * mask)
+    # the value: each token's unweighted term (the loss over that token alone, same divisor) times its weight
+    one = torch.arange(10).view(2, 5)
+    terms = torch.stack([fn(lp, old, adv, mask & (one == k), num_tokens=8)[0] for k in range(10)])
+    assert weighted.item() == pytest.approx(float((terms.detach() * w.flatten()).sum()), rel=1e-5)
+    assert base.item() == pytest.approx(float(terms.detach().sum()), rel=1e-5)
+
+
+def test_behaviour_logprobs_merge_the_prior_at_injected_positions():
+    from basis_lite.engines.base import Rollout
+
+    r = Rollout(prompt="p", prompt_ids=[1], completion_ids=[5, 6, 7], text="", finished=False,
+                logprobs=[-1.0, -2.0, -3.0], injected=[1], prior_logprobs=[-0.5])
+    assert r.behaviour_logprobs() == [-1.0, -0.5, -3.0] and r.logprobs == [-1.0, -2.0, -3.0]
+    assert Rollout(prompt="p", prompt_ids=[1], completion_ids=[5], text="", finished=False).behaviour_logprobs() is None

@@ -43,8 +43,9 @@ Behaviour log-probs: every request asks for the sampled token's log-prob (`logpr
 vLLM with `logprobs_mode="processed_logprobs"` (where the installed vLLM has it), so the value is taken after the
 temperature and top-k/top-p: the log-prob of the distribution the token was drawn from (with top_k = 0 and
 top_p = 1, log softmax(logits / T), as the trainer computes). vLLM's default mode returns log-probs of the raw logits
-(temperature 1); an engine found in that mode (Unsloth builds its own LLM) keeps them only when the temperature is 1
-and returns none otherwise, with a warning, and the mismatch correction then has nothing to correct with.
+(temperature 1); an engine found in that mode, or whose mode cannot be read (Unsloth builds its own LLM; an older
+vLLM has no such option), keeps them only when the temperature is 1 without top-k/top-p and returns none otherwise,
+with a warning, and the mismatch correction then has nothing to correct with.
 EAPO experience injection is not supported on vLLM engines (config validation refuses it).
 
 vLLM gives no hidden states, so BASIS prompt features come from one extra no-grad prefill of the prompts through
@@ -284,16 +285,18 @@ class _VLLMEngineBase:
         return None
 
     def _logprobs_usable(self, params: SamplingParams) -> bool:
-        """Whether vLLM's log-probs are at the sampling temperature: processed mode, or raw at T = 1 (or greedy)."""
+        """Whether vLLM's log-probs are at the sampling temperature: processed mode, or raw (or a mode that cannot
+        be read) where raw equals the sampling distribution: T = 1 or greedy, no top-k/top-p."""
         mode = self.logprobs_mode()
-        if mode in (None, "processed_logprobs"):
+        if mode == "processed_logprobs":
             return True
-        if mode == "raw_logprobs" and (params.temperature <= 0 or params.temperature == 1.0) and \
+        if mode in (None, "raw_logprobs") and (params.temperature <= 0 or params.temperature == 1.0) and \
                 not params.top_k and params.top_p >= 1.0:
             return True
         if not self._warned_raw:
-            log.warning("vLLM returns %s, not log-probs at the sampling temperature %s: rollouts carry no behaviour "
-                        "log-probs and train.mismatch_correction has no effect", mode, params.temperature)
+            log.warning("vLLM's logprobs_mode is %s, not processed_logprobs: its log-probs are not at the sampling "
+                        "temperature %s, so rollouts carry none and train.mismatch_correction has no effect",
+                        mode or "unknown", params.temperature)
             self._warned_raw = True
         return False
 
