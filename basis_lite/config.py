@@ -140,6 +140,12 @@ class TrainConfig:
     bpo_cap: float = 5.0  # BPO: cap C on the complementary-probability weight
     bpo_eps: float = 0.1  # BPO: smoothing epsilon
     kl_coef: float = 0.0  # KL to the reference (the base with the adapter disabled); 0 = off, no extra forward
+    ppo_epochs: int = 1  # optimizer steps (passes) per batch of rollouts; > 1 reuses them and the clip acts
+    # truncated importance weights min(pi_trainer / pi_engine, mismatch_cap) on every token, for the engine's
+    # numerics differing from the trainer's: auto (on for vllm engines, off for hf) | always | never (YAML's
+    # true/on and false/off read as always and never)
+    mismatch_correction: Any = "auto"
+    mismatch_cap: float = 3.0  # >= 1: the truncation of those weights
     logprob_chunk_size: int = 1024  # tokens per chunk of the lm_head + log-softmax (never the full [B, T, V] fp32 tensor)
     eval_every: int = 0  # greedy held-out eval every N steps (0 = only before and after training)
     eval_batch_size: int = 64
@@ -154,6 +160,19 @@ class TrainConfig:
 
 
 @dataclass
+class EapoConfig:
+    """EAPO experience injection (basis_lite/eapo.py): HF engine only. The default threshold is the 90th
+    percentile of the default model's next-token entropy in bench/results/eapo_entropy.md; rate and cap are
+    choices, not measurements."""
+
+    prior_adapter: str = ""  # a peft adapter folder trained on the same base (an earlier run's adapter/); "" = off
+    entropy_threshold: float = 2.0  # critical point: the policy's next-token entropy (nats, at the sampling T) >= this
+    injection_rate: float = 0.5  # in [0, 1]: probability that the prior samples the token at a critical point
+    weight_cap: float = 2.0  # >= 1: importance weights pi/prior are truncated at this
+    is_level: str = "sequence"  # sequence (product over the injected tokens, every token) | token (injected ones)
+
+
+@dataclass
 class Config:
     preset: str = ""  # name or path this config came from (informational)
     output_dir: str = ""  # run folder; default runs/<preset>-<time>
@@ -165,6 +184,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eapo: EapoConfig = field(default_factory=EapoConfig)
 
 
 CHOICES = {
@@ -176,6 +196,8 @@ CHOICES = {
     "train.schedule": ("cosine", "constant"),
     "train.optimizer": ("auto", "adamw", "adamw8bit"),
     "train.loss": ("ppo_clip", "bpo"),
+    "train.mismatch_correction": ("auto", "always", "never"),
+    "eapo.is_level": ("sequence", "token"),
 }
 
 
@@ -259,6 +281,11 @@ RANGES: dict[str, Range] = {
     "train.max_bad_steps": AT_LEAST_1,
     "train.seed": Range(0, 2**32 - 1),  # numpy's seed range
     "train.threads": NONNEG,
+    "train.ppo_epochs": AT_LEAST_1,
+    "train.mismatch_cap": Range(1),
+    "eapo.entropy_threshold": NONNEG,
+    "eapo.injection_rate": Range(0, 1),
+    "eapo.weight_cap": Range(1),
 }
 MIN_PROMPT_TOKENS = 16  # runtime.make_engine leaves prompts at least this many of model.max_seq_length
 
@@ -357,6 +384,17 @@ HELP: dict[str, str] = {
     "train.threads": "torch CPU threads (0 = all cores)",
     "train.report_to": "extra loggers besides metrics.jsonl: [tensorboard, wandb]",
     "train.wandb_project": "W&B project ('' = $WANDB_PROJECT, else basis-lite)",
+    "train.ppo_epochs": "optimizer steps (passes) over each batch of rollouts; > 1 reuses them and the clip acts",
+    "train.mismatch_correction": "truncated importance weights between the engine's and the trainer's log-probs: "
+                                 "auto (on for vLLM engines) | always | never",
+    "train.mismatch_cap": "cap of those importance weights (>= 1)",
+    "eapo.prior_adapter": "EAPO: a peft adapter from an earlier run on the same base, sampled at critical decision "
+                          "points ('' = off; HF engine only)",
+    "eapo.entropy_threshold": "EAPO: the policy's next-token entropy (nats) at or above which a position may be "
+                              "injected",
+    "eapo.injection_rate": "EAPO: probability that such a position takes the prior's token",
+    "eapo.weight_cap": "EAPO: cap of the importance weight at injected positions (>= 1)",
+    "eapo.is_level": "EAPO: importance weights per sequence (unbiased before the cap) | token",
 }
 
 # TRL GRPOConfig names accepted as aliases (same meaning), at the top level or inside the section they belong to
@@ -567,6 +605,8 @@ def validate(cfg: Config) -> None:
         section, _, leaf = key.rpartition(".")
         obj = get(cfg, section) if section else cfg
         setattr(obj, leaf, _coerce(getattr(obj, leaf), _hints(type(obj))[leaf], key))
+    if isinstance(cfg.train.mismatch_correction, bool):
+        cfg.train.mismatch_correction = "always" if cfg.train.mismatch_correction else "never"
     for key, choices in CHOICES.items():
         if key == "estimator.name":
             choices = estimator_names()
@@ -622,6 +662,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError("reward: every reward weight is 0 (reward.correctness_weight, reward.format_weight, "
                           "reward.function_weights), so every reward and advantage is 0 and nothing is learned; "
                           "give one a non-zero weight")
+    for key in ("train.mismatch_cap", "eapo.weight_cap"):
+        if get(cfg, key) < 1:
+            raise ConfigError(f"{key}: must be >= 1 (importance weights are truncated at it), got {get(cfg, key)!r}")
+    if not 0 <= cfg.eapo.injection_rate <= 1:
+        raise ConfigError(f"eapo.injection_rate: must be in [0, 1], got {cfg.eapo.injection_rate}")
+    if cfg.eapo.prior_adapter:
+        if cfg.generation.engine != "hf":
+            raise ConfigError(f"eapo.prior_adapter: experience injection runs on generation.engine=hf only, not "
+                              f"{cfg.generation.engine!r}; set generation.engine=hf or eapo.prior_adapter=''")
+        if cfg.model.backend == "unsloth":
+            raise ConfigError("eapo.prior_adapter: experience injection needs model.backend hf (or auto on a machine "
+                              "without Unsloth), not unsloth; or set eapo.prior_adapter=''")
+        if cfg.generation.temperature <= 0:
+            raise ConfigError("eapo.prior_adapter: experience injection samples; generation.temperature must be > 0")
     bad = [x for x in t.report_to if x not in ("tensorboard", "wandb")]
     if bad:
         raise ConfigError(f"train.report_to: {bad} not accepted; choose from tensorboard, wandb")

@@ -241,8 +241,8 @@ def _frac(x: Tensor, mask: Tensor) -> Tensor:
 
 def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                   clip_low: float = 0.2, clip_high: float = 0.28, num_tokens: Optional[float] = None,
-                  aggregation: str = "token-mean", num_sequences: Optional[float] = None
-                  ) -> tuple[Tensor, dict]:
+                  aggregation: str = "token-mean", num_sequences: Optional[float] = None,
+                  weights: Optional[Tensor] = None) -> tuple[Tensor, dict]:
     """PPO clipped surrogate with asymmetric (DAPO clip-higher) bounds and token-level aggregation.
 
         r_{i,t} = exp(lp_{i,t} - old_{i,t})
@@ -251,9 +251,11 @@ def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, ma
 
     A token is clipped (zero gradient) when A > 0 and r > 1 + clip_high, or A < 0 and r < 1 - clip_low.
     On-policy (old = lp.detach(), r = 1): grad L = -(1/N) sum m A grad lp, the REINFORCE gradient.
+    `weights` [B, T] (detached; truncated importance weights between the behaviour policy and `old`) multiply
+    l_{i,t}: L = sum m w l / N.
 
     Args:
-        logprobs, old_logprobs, mask: [B, T]; advantages: [B] (per sequence) or [B, T].
+        logprobs, old_logprobs, mask: [B, T]; advantages: [B] (per sequence) or [B, T]; weights: [B, T] or None.
     Returns:
         (loss scalar, stats) with detached 0-d tensors: clip_fraction, clip_low_fraction, clip_high_fraction,
         ratio_mean, ratio_max (over this call's masked tokens).
@@ -265,6 +267,8 @@ def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, ma
     surr1 = ratio * adv
     surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(surr1, surr2)
+    if weights is not None:
+        per_token = per_token * weights.detach().to(per_token.dtype)
     loss = aggregate(per_token, m, aggregation, num_tokens, num_sequences)
     with torch.no_grad():
         low = (adv < 0) & (ratio < 1.0 - clip_low)
@@ -282,7 +286,8 @@ def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, ma
 
 def bpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps: float = 0.1,
              cap: float = 5.0, clip_low: float = 0.2, clip_high: float = 0.28, num_tokens: Optional[float] = None,
-             aggregation: str = "token-mean", num_sequences: Optional[float] = None) -> tuple[Tensor, dict]:
+             aggregation: str = "token-mean", num_sequences: Optional[float] = None,
+             weights: Optional[Tensor] = None) -> tuple[Tensor, dict]:
     """Bellman Policy Optimization practical loss (papers.md §4.2; TRL `BPOTrainer._compute_loss`, "paper, Eq. 14").
 
         mu_{i,t}  = exp(old_{i,t})     behaviour-policy probability of the sampled token
@@ -294,6 +299,7 @@ def bpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: T
                                    aggregation="seq-mean-token-mean" is the paper's/TRL's choice.
 
     The weight is detached: grad L = -(1/N) sum m A c min(w, C) grad lp (w = 1 on-policy: REINFORCE).
+    `weights` [B, T] (detached importance weights, as in ppo_clip_loss) multiply l_{i,t}.
     Clipped tokens stay in the denominator. Paper defaults: eps = 0.1, C = 3.0 (this function's default cap follows
     the project config, 5.0); no KL, no entropy bonus. Non-finite `old_logprobs` (behaviour log-prob missing) fall
     back to the detached current log-prob, as TRL does.
@@ -317,6 +323,8 @@ def bpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: T
         weight = torch.where(keep, omega.clamp(max=cap), torch.zeros_like(omega))
     lp_safe = torch.where(m, logprobs, torch.zeros_like(logprobs))
     per_token = -adv * weight * lp_safe
+    if weights is not None:
+        per_token = per_token * weights.detach().to(per_token.dtype)
     loss = aggregate(per_token, m, aggregation, num_tokens, num_sequences)
     with torch.no_grad():
         log_ratio = torch.where(m, lp_det - old, torch.zeros_like(lp_det)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)

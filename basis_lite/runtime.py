@@ -1,7 +1,7 @@
 """Setting up what every command needs: seeds, threads, device and dtype, and the policy with its rollout engine.
 
     device, dtype = setup_device(cfg)            # torch threads (train.threads), cpu/cuda, the compute dtype
-    model, tok, engine = build_policy(cfg, device, dtype, adapter_path=None)   # adapter names model.name as its base
+    model, tok, engine = build_policy(cfg, device, dtype, adapter_path=None, training=False)
 
 `train`, `eval`, `export` and `prior` all go through these, so a choice (threads, dtype auto) is made in one place.
 """
@@ -32,8 +32,9 @@ def setup_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
     return device, resolve_dtype(cfg.model.dtype, device)
 
 
-def build_policy(cfg: Config, device, dtype, adapter_path=None):
-    """(model, tokenizer, engine) for the configured backend and engine."""
+def build_policy(cfg: Config, device, dtype, adapter_path=None, training: bool = False):
+    """(model, tokenizer, engine) for the configured backend and engine; for training, with the EAPO prior adapter
+    (eapo.prior_adapter) loaded beside the trained one and the engine set to inject it."""
     backend = cfg.model.backend
     if backend == "auto":
         backend = "unsloth" if device.type == "cuda" and importlib.util.find_spec("unsloth") is not None else "hf"
@@ -45,8 +46,18 @@ def build_policy(cfg: Config, device, dtype, adapter_path=None):
         from .models import load_policy
 
         model, tok = load_policy(cfg, device, dtype, adapter_path)
+    with_prior = training and bool(cfg.eapo.prior_adapter)
+    if with_prior:
+        if backend != "hf":
+            from .errors import ModelError
+
+            raise ModelError("eapo.prior_adapter: experience injection needs model.backend hf; auto picked unsloth "
+                             "here, so set model.backend=hf")
+        from .eapo import load_prior_adapter
+
+        load_prior_adapter(model, cfg.eapo.prior_adapter)
     set_portable_base_name(model, cfg.model.name)
-    return model, tok, make_engine(cfg, model, tok, backend)
+    return model, tok, make_engine(cfg, model, tok, backend, with_prior=with_prior)
 
 
 def set_portable_base_name(model, name: str) -> None:
@@ -63,12 +74,13 @@ def set_portable_base_name(model, name: str) -> None:
 warnings.filterwarnings("ignore", message=r"Could not find a config file in builtin:", category=UserWarning)
 
 
-def make_engine(cfg: Config, model, tok, backend: str = "hf"):
+def make_engine(cfg: Config, model, tok, backend: str = "hf", with_prior: bool = False):
     max_prompt = max(16, cfg.model.max_seq_length - cfg.generation.max_new_tokens)
     if cfg.generation.engine == "hf":
         from .engines.hf import HFEngine
 
-        return HFEngine(model, tok, batch_size=cfg.generation.batch_size, max_prompt_tokens=max_prompt)
+        return HFEngine(model, tok, batch_size=cfg.generation.batch_size, max_prompt_tokens=max_prompt,
+                        eapo=cfg.eapo if with_prior else None)
     from .engines.vllm import make_vllm_engine
 
     return make_vllm_engine(cfg, model, tok, backend)

@@ -43,7 +43,7 @@ from .priors import load_or_compute_prior, prior_values
 from .rewards import RewardScorer, column_names, example_columns
 from .runtime import build_policy, seed_everything, setup_device
 from .safeio import RunLock, atomic_write_text, disk_full_error, held_by_other, is_disk_full, publish_dir
-from .update import make_optimizer, make_scheduler, policy_update
+from .update import OPTIONAL_STEP_METRICS, make_optimizer, make_scheduler, policy_update
 
 log = logging.getLogger("basis_lite")
 
@@ -218,7 +218,8 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> RunState:
     if resume and last is None:
         log.info("%s has no intact checkpoint: starting it again from step 0 with its saved config", run_dir)
     seed_everything(cfg.train.seed)
-    model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(last / "adapter") if last else None)
+    model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(last / "adapter") if last else None,
+                                      training=True)
     n_train, n_total = count_parameters(model)
     log.info("model %s on %s (%s): %.2fM trainable of %.1fM parameters", cfg.model.name, device, dtype,
              n_train / 1e6, n_total / 1e6)
@@ -312,6 +313,7 @@ def rollout(run: RunState, batch) -> list:
     prompts = [run.prompt_of[ex.id] for ex in batch]
     run.engine.sync(run.model)
     params = params_from_config(run.cfg.generation, n=run.cfg.estimator.rollouts_per_prompt)
+    params.inject = bool(run.cfg.eapo.prior_adapter)  # EAPO: training rollouts only, never eval or the prior
     return run.engine.generate(prompts, params, with_features=run.uses_features)
 
 
@@ -398,6 +400,7 @@ def step_record(run: RunState, step, rollouts, rewards, scored, adv, base, stats
         "peak_memory_mb": peak_memory_mb(run.device), "reward_warnings": run.scorer.warning_count,
         "skipped": not ok, "trained_sequences": stats.get("trained_sequences"), "update_norm": stats["update_norm"],
         "zero_update": stats["update_norm"] == 0.0,
+        **{k: stats[k] for k in OPTIONAL_STEP_METRICS if k in stats},
     }
 
 

@@ -13,6 +13,18 @@ the same number of steps, from the same seed, with the SAME NUMBER OF ROLLOUTS P
     reinforce_pp  estimator reinforce_pp, B prompts x 1 rollout
     grpo8         estimator grpo,         B/8 prompts x 8 rollouts (B must be a multiple of 8)
 
+EAPO arms (not in the default --arms; run them in this order, the last needs the first's adapter):
+
+    eapo_prior    estimator basis on the preset's own levels (the easy ones: 1-3 for the default preset); its
+                  final adapter is the prior of hard_eapo
+    hard          estimator basis on the harder levels --hard-levels (default 4,5), trained and evaluated there
+    hard_eapo     as hard, with eapo.prior_adapter = eapo_prior's adapter (--eapo-prior PATH: an adapter from
+                  elsewhere instead): experience injection with the eapo.* defaults, plus any --set eapo.*
+
+hard_eapo is paired by seed with hard (the same eval problems, prompts and initial adapter); the prior's own training
+time is its arm's clock, not hard_eapo's (a prior is an earlier run a user already has). Injection doubles the rows of
+every decode step, so hard_eapo's generation costs more per step than hard's; both clocks are reported.
+
 Each arm runs ``basis_lite.trainer.train()`` in a fresh Python process (clean memory, threads and RNG), with a greedy
 held-out eval every E steps (``train.eval_every``) plus the trainer's evals before and after training.
 
@@ -46,6 +58,11 @@ step with its standard error, each seed's numbers, and the paired per-seed diffe
 ``reinforce_pp`` (the same seed shares the eval problems, the training prompts and the initial adapter).
 
     python bench/learning.py --steps 20 --eval-every 10 --arms basis,reinforce_pp --seeds 0 1 2 --quiet
+
+EAPO (prior on levels 1-3, then levels 4-5 with and without injection, three seeds; about 2 hours on 2 cores):
+
+    python bench/learning.py --steps 20 --eval-every 10 --arms eapo_prior,hard,hard_eapo --seeds 0 1 2 --quiet \
+        --out bench/results/eapo
 
 Outputs: ``--out`` (default bench/results) gets learning.json (per arm: eval points (step, clock_s, eval_accuracy),
 prior seconds, final accuracy, settings; the machine), learning.md (table) and learning.png (accuracy vs
@@ -82,15 +99,23 @@ RESULTS = ROOT / "bench" / "results"
 # torch is NOT imported in the driver (the arms run in their own processes); only basis_lite.config (yaml) is
 from basis_lite.config import ConfigError, load_config  # noqa: E402
 
-ARMS = ("basis", "basis_prior", "reinforce_pp", "grpo8")
+DEFAULT_ARMS = ("basis", "basis_prior", "reinforce_pp", "grpo8")
+EAPO_ARMS = ("eapo_prior", "hard", "hard_eapo")
+ARMS = DEFAULT_ARMS + EAPO_ARMS
 GROUP = 8  # grpo8's rollouts per prompt
-COLORS = {"basis": "tab:blue", "basis_prior": "tab:green", "reinforce_pp": "tab:orange", "grpo8": "tab:red"}
+COLORS = {"basis": "tab:blue", "basis_prior": "tab:green", "reinforce_pp": "tab:orange", "grpo8": "tab:red",
+          "eapo_prior": "tab:gray", "hard": "tab:purple", "hard_eapo": "tab:cyan"}
 DESCRIPTIONS = {
     "basis": "BASIS, 1 rollout/prompt, no prior",
     "basis_prior": "BASIS, 1 rollout/prompt, offline prior (cold, counted in the clock)",
     "reinforce_pp": "REINFORCE++, 1 rollout/prompt",
     "grpo8": f"GRPO, {GROUP} rollouts/prompt",
+    "eapo_prior": "BASIS on the preset's levels: the EAPO prior adapter",
+    "hard": "BASIS on the hard levels, no injection",
+    "hard_eapo": "BASIS on the hard levels, EAPO injection from the prior adapter",
 }
+# paired differences by seed: arm -> the arm it is compared with
+PAIR_BASE = {"basis": "reinforce_pp", "basis_prior": "reinforce_pp", "grpo8": "reinforce_pp", "hard_eapo": "hard"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -107,8 +132,28 @@ def base_overrides(args) -> list[str]:
     return out
 
 
-def arm_overrides(arm: str, batch_size: int, prior_samples: int) -> list[str]:
-    """The estimator settings of one arm (applied last, so they win over --set)."""
+def _arg_path(path) -> str:
+    """A path for a config value: relative to the repository when inside it (the workers run there, and results
+    never hold machine paths), else absolute."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
+def arm_overrides(arm: str, batch_size: int, prior_samples: int, hard_levels: list[int] | None = None,
+                  eapo_prior: str = "") -> list[str]:
+    """The estimator (and, for the EAPO arms, data and eapo) settings of one arm (applied last: they win over
+    --set)."""
+    one = ["estimator.name=basis", "estimator.rollouts_per_prompt=1", "estimator.prior_samples=0",
+           f"train.batch_size={batch_size}"]
+    if arm == "eapo_prior":
+        return one
+    if arm == "hard":
+        return one + [f"data.levels={hard_levels}"]
+    if arm == "hard_eapo":
+        return one + [f"data.levels={hard_levels}", f"eapo.prior_adapter={eapo_prior}"]
     if arm == "basis":
         return ["estimator.name=basis", "estimator.rollouts_per_prompt=1", "estimator.prior_samples=0",
                 f"train.batch_size={batch_size}"]
@@ -138,7 +183,8 @@ def plan_arms(args) -> tuple[dict, dict]:
     batch = cfg0.train.batch_size
     plans = {}
     for arm in args.arms:
-        ov = base + arm_overrides(arm, batch, args.prior_samples)
+        ov = base + arm_overrides(arm, batch, args.prior_samples, args.hard_levels,
+                                  getattr(args, "eapo_prior_path", ""))
         cfg = load_config(args.preset, ov)  # raises ConfigError on a bad --set, before any run starts
         plans[arm] = {"overrides": ov, "estimator": cfg.estimator.name, "prompts_per_step": cfg.train.batch_size,
                       "rollouts_per_prompt": cfg.estimator.rollouts_per_prompt,
@@ -149,7 +195,9 @@ def plan_arms(args) -> tuple[dict, dict]:
     shared = {"preset": args.preset, "steps": cfg0.train.steps, "eval_every": eval_every,
               "eval_size": cfg0.data.eval_size, "rollouts_per_step": batch, "prior_samples": args.prior_samples,
               "model": cfg0.model.name, "dataset": cfg0.data.dataset, "train_size": cfg0.data.train_size,
-              "set": list(args.set or []), "threads": cfg0.train.threads}
+              "set": list(args.set or []), "threads": cfg0.train.threads, "levels": cfg0.data.levels}
+    if any(a in EAPO_ARMS for a in args.arms):
+        shared["hard_levels"] = args.hard_levels
     return plans, shared
 
 
@@ -241,6 +289,11 @@ def run_arm(arm: str, plan: dict, args, runs: Path) -> dict:
         print(f"[{arm}] done already ({run_dir}): skipped", flush=True)
         return {"skipped": True}
 
+    prior = next((o.split("=", 1)[1] for o in plan["overrides"] if o.startswith("eapo.prior_adapter=")), "")
+    if prior and not (ROOT / prior / "adapter_config.json").exists():  # ROOT / an absolute path is that path
+        print(f"[{arm}] FAILED: no prior adapter at {prior} (run the eapo_prior arm first, in the same --arms, or "
+              f"pass --eapo-prior PATH)", file=sys.stderr, flush=True)
+        return {"skipped": False, "returncode": 1}
     resume = (run_dir / "metrics.jsonl").exists() and _has_checkpoint(run_dir)
     prior_cache = runs / f"{arm}.cache" if plan["prior_samples"] > 0 else None
     if not resume:
@@ -405,6 +458,11 @@ def write_md(report: dict, path: Path) -> None:
              "Clock = cumulative generation + training seconds of the steps so far (no eval, checkpoint or load "
              "time); for basis_prior the prior pass is added (and shown on its own: a cached prior is reused by "
              "later runs). Cells: accuracy (clock).", ""]
+    if any(a in EAPO_ARMS for a in arms):
+        lines += [f"EAPO arms: eapo_prior trains on the preset's levels {sh.get('levels')} and its adapter is the "
+                  f"prior; hard and hard_eapo train and evaluate on levels {sh.get('hard_levels')}, hard_eapo "
+                  "injecting the prior's tokens at critical points (eapo.* settings: the defaults unless in the extra "
+                  "settings). Their accuracies are on other eval problems than eapo_prior's.", ""]
     head = ["arm", "rollouts/step", "steps", "train clock", "prior pass", "total clock", "acc before"]
     head += [f"@{s}" for s in eval_steps] + ["acc after"]
     lines.append("| " + " | ".join(head) + " |")
@@ -520,8 +578,12 @@ def parse_args(argv):
     p.add_argument("--eval-every", type=int, default=None,
                    help="train.eval_every (default: the preset's, or steps // 4)")
     p.add_argument("--eval-size", type=int, default=None, help="data.eval_size (default: the preset's)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {','.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, from {','.join(ARMS)} "
+                   f"(default {','.join(DEFAULT_ARMS)})")
     p.add_argument("--prior-samples", type=int, default=4, help="K for basis_prior (default 4)")
+    p.add_argument("--hard-levels", default="4,5", help="data.levels of the hard and hard_eapo arms (default 4,5)")
+    p.add_argument("--eapo-prior", default=None,
+                   help="hard_eapo: this adapter as the prior instead of the eapo_prior arm's (<runs>/eapo_prior/adapter)")
     p.add_argument("--out", default=str(RESULTS), help="folder for learning.{json,md,png} (default bench/results)")
     p.add_argument("--runs", default=None, help="folder for the run folders (default runs/bench-learning-<preset>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -540,6 +602,10 @@ def parse_args(argv):
         p.error(f"--seeds: {args.seeds} repeats a seed")
     if args.prior_samples < 1:
         p.error("--prior-samples must be >= 1")
+    try:
+        args.hard_levels = [int(x) for x in args.hard_levels.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--hard-levels: expected comma-separated integers such as 4,5, got {args.hard_levels!r}")
     for name in ("steps", "eval_every", "eval_size"):
         v = getattr(args, name)
         if v is not None and v < (0 if name != "steps" else 1):
@@ -582,12 +648,14 @@ def aggregate(per_seed: dict[str, dict], arm_order: list[str]) -> dict[str, dict
     return out
 
 
-def paired(per_seed: dict[str, dict], arm_order: list[str], base: str = "reinforce_pp") -> dict[str, dict]:
-    """Every arm minus `base`, seed by seed (same eval problems, prompts and initial adapter): final accuracy and
-    training clock, with the mean difference and its standard error over seeds."""
+def paired(per_seed: dict[str, dict], arm_order: list[str]) -> dict[str, dict]:
+    """Every arm minus the arm PAIR_BASE names for it (reinforce_pp; hard for hard_eapo), seed by seed (same eval
+    problems, prompts and initial adapter): final accuracy and training clock, with the mean difference and its
+    standard error over seeds."""
     out = {}
     for arm in arm_order:
-        if arm == base:
+        base = PAIR_BASE.get(arm)
+        if base is None or base not in arm_order:
             continue
         rows = {sd: (r[arm].get("final_accuracy"), r[base].get("final_accuracy"), r[arm].get("total_clock_s"),
                      r[base].get("total_clock_s")) for sd, r in per_seed.items() if arm in r and base in r}
@@ -623,6 +691,8 @@ def main(argv=None) -> int:
     try:
         for sd in seeds:
             a = argparse.Namespace(**vars(args))
+            a.eapo_prior_path = _arg_path(args.eapo_prior if args.eapo_prior else
+                                          (runs if sd is None else runs / f"seed{sd}") / "eapo_prior" / "adapter")
             if sd is not None:  # first, like a --set: every arm of this seed gets it
                 a.set = [f"train.seed={sd}"] + list(args.set or [])
             plans_by_seed[sd] = plan_arms(a)

@@ -177,3 +177,35 @@ def test_seeds_mean_se_and_paired_difference(mod, tmp_path):
     rep2 = json.loads((tmp_path / "out2" / "learning.json").read_text())
     assert rep2["arms"]["basis"]["status"] == "partial" and rep2["arms"]["basis"]["final_accuracy"] == 0.6
     assert rep2["paired"]["basis"]["seeds"] == ["0"] and rep2["paired"]["basis"]["se"] is None
+
+
+def test_eapo_arms_settings_and_pairing(mod, tmp_path, capsys):
+    """The EAPO arms: hard levels for hard and hard_eapo, the eapo_prior arm's adapter as hard_eapo's prior (a
+    missing one fails that arm before any training), and hard_eapo paired with hard, not with reinforce_pp."""
+    assert mod.DEFAULT_ARMS == ("basis", "basis_prior", "reinforce_pp", "grpo8")  # EAPO arms only when asked for
+    ov = mod.arm_overrides("hard_eapo", 8, 4, [4, 5], "runs/x/adapter")
+    assert "data.levels=[4, 5]" in ov and "eapo.prior_adapter=runs/x/adapter" in ov
+    assert not any(o.startswith(("data.levels", "eapo.")) for o in mod.arm_overrides("eapo_prior", 8, 4, [4, 5]))
+    assert mod._arg_path(mod.ROOT / "runs" / "a") == "runs/a" and mod._arg_path(tmp_path) == str(tmp_path)
+
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    rc = mod.main(["--preset", "smoke", "--arms", "hard_eapo", "--seeds", "0", "--out", str(out), "--runs", str(runs),
+                   "--quiet", "--set", "train.threads=1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no prior adapter at" in err and str(runs / "seed0" / "eapo_prior" / "adapter") in err
+    assert not (runs / "seed0" / "hard_eapo").exists()
+
+    times = [(2.0, 1.0), (2.0, 1.0)]
+    for sd, (h, e) in {"0": (0.2, 0.3), "1": (0.4, 0.4)}.items():
+        _fake_run(runs / f"seed{sd}" / "eapo_prior", times, [0.5, 0.6, 0.7], None)
+        _fake_run(runs / f"seed{sd}" / "hard", times, [0.1, 0.1, h], None)
+        _fake_run(runs / f"seed{sd}" / "hard_eapo", [(4.0, 2.0)] * 2, [0.1, 0.2, e], None)
+    assert mod.main(["--preset", "smoke", "--arms", "eapo_prior,hard,hard_eapo", "--seeds", "0", "1", "--out",
+                     str(out), "--runs", str(runs), "--analyze-only"]) == 0
+    rep = json.loads((out / "learning.json").read_text())
+    assert set(rep["paired"]) == {"hard_eapo"}
+    pr = rep["paired"]["hard_eapo"]
+    assert pr["vs"] == "hard" and pr["final_accuracy_diff"] == pytest.approx({"0": 0.1, "1": 0.0})
+    assert pr["mean_diff"] == pytest.approx(0.05) and pr["se"] == pytest.approx(0.05) and pr["clock_ratio"] == 2.0
+    md = (out / "learning.md").read_text()
+    assert "hard_eapo minus hard: final accuracy +0.050 +- 0.050" in md and "EAPO arms:" in md

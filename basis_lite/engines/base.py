@@ -3,8 +3,11 @@
     engine.sync(model)                                   push the current adapter (a no-op where the engine IS the model)
     engine.generate(prompts, params) -> list[Rollout]    n samples per prompt, prompt-major order
 
-A Rollout carries token ids (the trainer re-scores them with the training model; engines do not return their own
-log-probs yet) and, where the engine can give it for free, a prompt feature vector for BASIS similarity pooling.
+A Rollout carries token ids, the engine's log-prob of every completion token under the policy being trained (at the
+sampling temperature: the behaviour log-probs the update compares with its own), and, where the engine can give it
+for free, a prompt feature vector for BASIS similarity pooling. With EAPO experience injection (HF engine,
+`params.inject`), some tokens were sampled from a prior adapter instead: their positions and the prior's log-probs
+are recorded too.
 Implementations: `engines.hf.HFEngine` (the training model's generate) and `engines.vllm` (Unsloth's in-process
 vLLM, or plain vLLM with the adapter sent as a LoRARequest).
 """
@@ -23,6 +26,7 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 64
     n: int = 1  # samples per prompt
+    inject: bool = False  # EAPO: let the engine sample critical tokens from the prior adapter (training rollouts only)
 
 
 @dataclass
@@ -33,6 +37,22 @@ class Rollout:
     text: str  # decoded completion without special tokens
     finished: bool  # stopped at EOS (False: cut at max_new_tokens)
     feature: torch.Tensor | None = field(default=None, repr=False)  # [D] prompt feature (BASIS similarity)
+    # log pi(token) of each completion token under the engine's copy of the policy being trained, at the sampling
+    # temperature (1 when greedy), before top-k/top-p on the HF engine; NaN where the engine gave none; None when
+    # the engine returned no log-probs at all
+    logprobs: list[float] | None = field(default=None, repr=False)
+    injected: list[int] = field(default_factory=list)  # EAPO: completion positions whose token the prior sampled
+    prior_logprobs: list[float] = field(default_factory=list)  # EAPO: the prior's log-prob there (aligned to injected)
+
+    def behaviour_logprobs(self) -> list[float] | None:
+        """The log-prob of each token under the distribution it was actually sampled from: the policy's, and the
+        prior's at injected positions."""
+        if self.logprobs is None:
+            return None
+        out = list(self.logprobs)
+        for pos, lp in zip(self.injected, self.prior_logprobs):
+            out[pos] = lp
+        return out
 
 
 @runtime_checkable

@@ -7,6 +7,14 @@ checkpointing, and turns the cache off, in train mode).
 Prompt features for BASIS similarity pooling come from the prefill that generate() runs anyway: a forward hook on
 a middle decoder layer captures its output for the prompt tokens (left padded, so the last positions are the real
 last tokens) and keeps the mean of the last `feature_tokens` positions. No extra model call.
+
+Behaviour log-probs come from the same generate() call: a logits processor (run before the temperature and
+top-k/top-p warpers) sees each step's float32 logits and keeps log softmax(logits / T) of the sampled token, the
+quantity the trainer's chunked log-prob computes (T = 1 when greedy). It equals a separate forward pass to fp32
+rounding: KV-cached decoding multiplies matrices of other shapes than one forward over the whole sequence.
+
+With `params.inject` and an EAPO prior adapter (`eapo.py`), sampling runs `eapo.generate_with_injection` instead of
+generate(): the same rollouts, with the prior's tokens at critical decision points.
 """
 from __future__ import annotations
 
@@ -16,11 +24,40 @@ from ..models import decoder_layers, inference_mode
 from .base import Rollout, SamplingParams, stop_token_ids
 
 
+class SampledLogprobs:
+    """A generate() logits processor that records log softmax(logits / T) of each sampled token, per row.
+
+    Call k sees the token sampled at step k-1 as input_ids[:, -1] and looks it up in the previous step's
+    log-probs; `finish(sequences)` looks up the last step's. Scores pass through unchanged.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.prev: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids, scores):
+        if self.prev is not None:
+            self.steps.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        z = scores.float()
+        if self.temperature != 1.0:
+            z = z / self.temperature
+        self.prev = z - torch.logsumexp(z, dim=-1, keepdim=True)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[rows, generated steps] log-probs of the generated tokens."""
+        if self.prev is not None:
+            self.steps.append(self.prev.gather(-1, sequences[:, -1:]).squeeze(-1))
+            self.prev = None
+        return torch.stack(self.steps, dim=1).cpu() if self.steps else torch.zeros(sequences.shape[0], 0)
+
+
 class HFEngine:
     name = "hf"
 
     def __init__(self, model, tokenizer, batch_size: int = 64, max_prompt_tokens: int = 448,
-                 feature_layer: int | None = None, feature_tokens: int = 4):
+                 feature_layer: int | None = None, feature_tokens: int = 4, eapo=None):
         self.model, self.tok = model, tokenizer
         self.batch_size = batch_size
         self.max_prompt_tokens = max_prompt_tokens
@@ -29,6 +66,7 @@ class HFEngine:
         self.feature_tokens = feature_tokens
         self._layers = layers
         self.stop_ids = sorted(stop_token_ids(tokenizer, model))
+        self.eapo = eapo  # EapoConfig with a prior adapter loaded on the model, or None
 
     def sync(self, model=None) -> None:  # the engine shares the training model: nothing to push
         return None
@@ -62,11 +100,14 @@ class HFEngine:
                 h = output[0] if isinstance(output, tuple) else output
                 captured.append(h[:, -self.feature_tokens:, :].float().mean(dim=1).cpu())
 
-        handle = self._layers[self.feature_layer].register_forward_hook(hook) if with_features else None
         greedy = params.temperature <= 0
+        if params.inject and self.eapo is not None and not greedy:
+            return self._generate_injected(prompts, input_ids, attn, params, with_features)
+        handle = self._layers[self.feature_layer].register_forward_hook(hook) if with_features else None
+        record = SampledLogprobs(params.temperature)
         gen_kwargs = dict(max_new_tokens=params.max_new_tokens, do_sample=not greedy, pad_token_id=tok.pad_token_id,
                           eos_token_id=self.stop_ids, use_cache=True,
-                          num_return_sequences=params.n)
+                          num_return_sequences=params.n, logits_processor=[record])
         if not greedy:
             # top_k=0 disables top-k explicitly: None would fall back to the model's generation_config (often
             # top_k=50), sampling from a truncated distribution the loss does not know about
@@ -81,6 +122,7 @@ class HFEngine:
                 handle.remove()
         # generate() expands the batch to P*n rows BEFORE the prefill, so the hook saw one row per sequence
         feats = captured[0] if captured else None
+        lps = record.finish(seqs)
         prompt_len = input_ids.shape[1]
         rollouts = []
         for row in range(seqs.shape[0]):
@@ -93,5 +135,29 @@ class HFEngine:
                 comp = comp[: stop + 1]
             text = tok.decode(comp, skip_special_tokens=True)
             rollouts.append(Rollout(prompt=prompts[p], prompt_ids=p_ids, completion_ids=comp, text=text,
-                                    finished=finished, feature=None if feats is None else feats[row]))
+                                    finished=finished, feature=None if feats is None else feats[row],
+                                    logprobs=lps[row, :len(comp)].tolist()))
+        return rollouts
+
+    def _generate_injected(self, prompts, input_ids, attn, params: SamplingParams, with_features: bool):
+        """EAPO rollouts: the prior adapter samples the tokens at critical decision points (eapo.py)."""
+        from ..eapo import generate_with_injection
+
+        e = self.eapo
+        with inference_mode(self.model):
+            res = generate_with_injection(
+                self.model, input_ids, attn, n=params.n, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k, max_new_tokens=params.max_new_tokens, stop_ids=self.stop_ids,
+                pad_id=self.tok.pad_token_id, threshold=e.entropy_threshold, rate=e.injection_rate,
+                feature_layer=self._layers[self.feature_layer] if with_features else None,
+                feature_tokens=self.feature_tokens)
+        rollouts = []
+        for row, comp in enumerate(res["tokens"]):
+            p = row // params.n
+            finished = bool(comp) and comp[-1] in self.stop_ids
+            rollouts.append(Rollout(
+                prompt=prompts[p], prompt_ids=input_ids[p][attn[p].bool()].tolist(), completion_ids=comp,
+                text=self.tok.decode(comp, skip_special_tokens=True), finished=finished,
+                feature=None if res["features"] is None else res["features"][row], logprobs=res["policy_lp"][row],
+                injected=res["injected"][row], prior_logprobs=res["prior_lp"][row]))
         return rollouts

@@ -39,6 +39,15 @@ no LoRA request, so vLLM samples the base model too. Both engines re-sync on the
 adapter changed since the last sync (torch's in-place version counters of the LoRA parameters), e.g. an eval right
 after the last update, so a missing `sync` can cost time but never serve a stale adapter.
 
+Behaviour log-probs: every request asks for the sampled token's log-prob (`logprobs=0`). The plain engine starts
+vLLM with `logprobs_mode="processed_logprobs"` (where the installed vLLM has it), so the value is taken after the
+temperature and top-k/top-p: the log-prob of the distribution the token was drawn from (with top_k = 0 and
+top_p = 1, log softmax(logits / T), as the trainer computes). vLLM's default mode returns log-probs of the raw logits
+(temperature 1); an engine found in that mode, or whose mode cannot be read (Unsloth builds its own LLM; an older
+vLLM has no such option), keeps them only when the temperature is 1 without top-k/top-p and returns none otherwise,
+with a warning, and the mismatch correction then has nothing to correct with.
+EAPO experience injection is not supported on vLLM engines (config validation refuses it).
+
 vLLM gives no hidden states, so BASIS prompt features come from one extra no-grad prefill of the prompts through
 the training model (stopped at the middle decoder layer, the layer and token positions the HF engine uses), in
 micro-batches: cheap next to generation, and the trainer can pool rewards by prompt similarity as with the HF
@@ -116,6 +125,20 @@ def completion_from_vllm(token_ids, finish_reason, stop_reason, eos_id: int | No
     if stop_id is not None and (not ids or ids[-1] != stop_id):
         ids.append(int(stop_id))
     return ids, True
+
+
+def sampled_logprobs(completion_ids: list[int], logprobs) -> list[float] | None:
+    """The sampled tokens' log-probs from a vLLM CompletionOutput.logprobs (one {token_id: Logprob} per position),
+    aligned to `completion_ids`; NaN where vLLM gave none (a stop token appended by completion_from_vllm). None
+    when vLLM returned no log-probs."""
+    if logprobs is None:
+        return None
+    out = []
+    for j, t in enumerate(completion_ids):
+        entry = logprobs[j] if j < len(logprobs) else None
+        lp = entry.get(t) if entry else None
+        out.append(float(lp.logprob) if lp is not None else float("nan"))
+    return out
 
 
 def encode_prompts(tok, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:
@@ -211,6 +234,7 @@ class _VLLMEngineBase:
         self.lora_request = None
         self.syncs = 0
         self._synced_version = None
+        self._warned_raw = False
 
     # subclasses: push the adapter / run vLLM's generate
     def sync(self, model=None) -> None:
@@ -230,7 +254,8 @@ class _VLLMEngineBase:
         for i in range(n_prompts):
             kw = dict(n=params.n, max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
                       top_p=1.0 if greedy else params.top_p,
-                      top_k=-1 if greedy or not params.top_k else params.top_k, stop_token_ids=self.stop_ids)
+                      top_k=-1 if greedy or not params.top_k else params.top_k, stop_token_ids=self.stop_ids,
+                      logprobs=0)  # the sampled token's log-prob only
             if not greedy:
                 kw["seed"] = base_seed + i * params.n
             out.append(VSP(**kw))
@@ -252,9 +277,31 @@ class _VLLMEngineBase:
             pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.tok.eos_token_id or 0)
             feats = prompt_features(self.model, prompt_ids, pad, feature_tokens=self.feature_tokens,
                                     batch_size=self.feature_batch_size)
-        return self.to_rollouts(prompts, prompt_ids, outputs, params.n, feats)
+        keep = self._logprobs_usable(params)
+        return self.to_rollouts(prompts, prompt_ids, outputs, params.n, feats, with_logprobs=keep)
 
-    def to_rollouts(self, prompts, prompt_ids, outputs, n: int, feats=None) -> list[Rollout]:
+    def logprobs_mode(self) -> str | None:
+        """The engine's vLLM logprobs_mode, or None when it cannot be read."""
+        return None
+
+    def _logprobs_usable(self, params: SamplingParams) -> bool:
+        """Whether vLLM's log-probs are at the sampling temperature: processed mode, or raw (or a mode that cannot
+        be read) where raw equals the sampling distribution: T = 1 or greedy, no top-k/top-p."""
+        mode = self.logprobs_mode()
+        if mode == "processed_logprobs":
+            return True
+        if mode in (None, "raw_logprobs") and (params.temperature <= 0 or params.temperature == 1.0) and \
+                not params.top_k and params.top_p >= 1.0:
+            return True
+        if not self._warned_raw:
+            log.warning("vLLM's logprobs_mode is %s, not processed_logprobs: its log-probs are not at the sampling "
+                        "temperature %s, so rollouts carry none and train.mismatch_correction has no effect",
+                        mode or "unknown", params.temperature)
+            self._warned_raw = True
+        return False
+
+    def to_rollouts(self, prompts, prompt_ids, outputs, n: int, feats=None,
+                    with_logprobs: bool = True) -> list[Rollout]:
         """vLLM RequestOutputs (one per prompt, in prompt order) -> n Rollouts per prompt, prompt-major."""
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
@@ -267,9 +314,10 @@ class _VLLMEngineBase:
             for c in comps:
                 comp, finished = completion_from_vllm(c.token_ids, c.finish_reason, getattr(c, "stop_reason", None),
                                                       eos)
+                lps = sampled_logprobs(comp, getattr(c, "logprobs", None)) if with_logprobs else None
                 rollouts.append(Rollout(prompt=prompt, prompt_ids=list(ids), completion_ids=comp,
                                         text=self.tok.decode(comp, skip_special_tokens=True), finished=finished,
-                                        feature=None if feats is None else feats[p]))
+                                        feature=None if feats is None else feats[p], logprobs=lps))
         return rollouts
 
 
@@ -300,6 +348,12 @@ class UnslothVLLMEngine(_VLLMEngineBase):
         self.lora_request = m.load_lora(self.lora_dir, load_tensors=True)
         self.syncs += 1
         self._synced_version = adapter_version(m)
+
+    def logprobs_mode(self) -> str | None:
+        llm = getattr(self.model, "vllm_engine", None)
+        cfg = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "model_config", None)
+        mode = getattr(cfg, "logprobs_mode", None)
+        return str(getattr(mode, "value", mode)) if mode is not None else None
 
     def _generate_outputs(self, inputs, sampling_params, lora_request):
         outs = self.model.fast_generate(inputs, sampling_params=sampling_params, lora_request=lora_request,
@@ -362,6 +416,11 @@ class PlainVLLMEngine(_VLLMEngineBase):
         self.syncs += 1
         self._synced_version = adapter_version(m)
 
+    def logprobs_mode(self) -> str | None:
+        cfg = getattr(getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None), "model_config", None)
+        mode = getattr(cfg, "logprobs_mode", None)
+        return str(getattr(mode, "value", mode)) if mode is not None else None
+
     def _generate_outputs(self, inputs, sampling_params, lora_request):
         return self.llm.generate(inputs, sampling_params=sampling_params, lora_request=lora_request, use_tqdm=False)
 
@@ -391,11 +450,25 @@ def build_plain_llm(cfg, model_path: str, device_type: str, dtype: torch.dtype):
                   seed=cfg.train.seed, enforce_eager=device_type == "cpu")
     if device_type == "cuda":
         kwargs["gpu_memory_utilization"] = cfg.model.gpu_memory_utilization
+    if _engine_arg("logprobs_mode"):
+        kwargs["logprobs_mode"] = "processed_logprobs"  # log-probs after temperature and top-k/top-p
     try:
         llm = vllm.LLM(**kwargs)
     finally:
         torch.set_num_threads(threads)  # vLLM drops torch to 1 thread "for serving"; training wants them all
     return llm
+
+
+def _engine_arg(name: str) -> bool:
+    """Whether the installed vLLM's EngineArgs has a field `name`."""
+    try:
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+
+        return name in {f.name for f in dataclasses.fields(EngineArgs)}
+    except Exception:  # noqa: BLE001 - an old or stubbed vLLM: leave the argument out
+        return False
 
 
 def make_vllm_engine(cfg, model, tok, backend: str):
