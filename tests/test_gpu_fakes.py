@@ -362,7 +362,7 @@ def test_vllm_engine_behaviour_logprobs(tiny, fake_vllm_module, caplog):
     from basis_lite.engines.vllm import UnslothVLLMEngine
 
     cfg, model, tok = tiny
-    fake = FakeUnslothFastInference(model, tok, tok.convert_tokens_to_ids("<|endoftext|>"))
+    fake = FakeUnslothFastInference(model, tok, tok.convert_tokens_to_ids(TINY_MERGED))
     fake.attach(model, logprobs_mode="processed_logprobs")
     engine = UnslothVLLMEngine(model, tok, max_prompt_tokens=40)
     rolls = engine.generate(_prompts(tok, 1), SamplingParams(temperature=0.8, max_new_tokens=8, n=4),
