@@ -22,7 +22,6 @@ lock on the manifest of the checkpoint they load (`runs.resolve_target`).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ from .safeio import (
     inside,
     is_disk_full,
     pack_state,
+    sha256_file,
     try_exclusive,
     unpack_state,
 )
@@ -70,17 +70,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_manifest(folder: Path) -> None:
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    entries = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
     atomic_write_text(folder / MANIFEST, json.dumps({"files": entries}, indent=1))
 
 
@@ -109,7 +101,7 @@ def verify(folder: Path) -> str | None:
         size = p.stat().st_size
         if size != meta.get("bytes"):
             return f"{rel} has {size} bytes, the manifest says {meta.get('bytes')}"
-        if _sha256(p) != meta.get("sha256"):
+        if sha256_file(p) != meta.get("sha256"):
             return f"{rel} does not match its sha256 in the manifest"
     return None
 

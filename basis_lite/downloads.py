@@ -11,13 +11,13 @@ a change to how a cached folder is built gets a new name, so an old cache is nev
 from __future__ import annotations
 
 import glob
-import hashlib
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelError
+from .safeio import sha256_file
 
 
 @dataclass(frozen=True)
@@ -44,14 +44,6 @@ LLAMA_CPP_SDIST = Pinned("llama-cpp-python==0.3.36", "llama_cpp_python-0.3.36.ta
                          "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
                          "llama.cpp's GGUF converter (llama-cpp-python 0.3.36 source distribution)", sdist=True)
 LLAMA_CPP_CACHE_DIR = "llama.cpp-converter-0.3.36"
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_sha256(path: str | Path, expected: str, what: str) -> None:

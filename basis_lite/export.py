@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import hashlib
 import json
 import logging
 import os
@@ -61,7 +60,7 @@ from .config import Config, save_config
 from .errors import ConfigError, DiskFullError, ModelError
 from .models import resolve_model_path
 from .runs import ADAPTER_RUN_CONFIG, Target, load_run_config, resolve_target
-from .safeio import fsync_dir, fsync_tree
+from .safeio import fsync_dir, fsync_tree, sha256_file
 
 log = logging.getLogger("basis_lite")
 
@@ -193,14 +192,6 @@ def _need_space(out: Path, nbytes: int) -> None:
 # adapter export
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _load_base_tokenizer(base_path: str, cfg: Config | None = None):
     """The base tokenizer; with `cfg`, its chat template replaced by the one that renders the training prompts."""
     from transformers import AutoTokenizer
@@ -236,7 +227,7 @@ def export_adapter(cfg: Config, target: Target, out: Path) -> dict:
                 _portable_adapter_config(p, tmp / p.name, cfg.model.name)
                 continue
             shutil.copy2(p, tmp / p.name)
-            if _sha256(p) != _sha256(tmp / p.name):
+            if sha256_file(p) != sha256_file(tmp / p.name):
                 raise ModelError(f"copy of {p} to {tmp / p.name} differs from the original; disk problem?")
         if not (tmp / ADAPTER_RUN_CONFIG).exists():
             save_config(cfg, tmp / ADAPTER_RUN_CONFIG)

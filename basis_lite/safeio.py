@@ -1,6 +1,7 @@
 """Files a run writes and reads, safely: atomic writes, full disks recognised, one writer per run folder, pinned
 readers, paths that stay inside a folder, and a pickle-free format for nested state. Torch-free.
 
+    sha256_file(path)                       hex sha256, read in chunks
     atomic_write_text(path, text) / atomic_write_bytes(path, data)   temp file + fsync + rename + fsync of the folder
     publish_dir(tmp, final)                 fsync a finished folder, then rename it into place (replacing `final`)
     is_disk_full(exc, path)                 ENOSPC/EDQUOT, whichever layer raised it (also re-wrapped by C++ code)
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import shutil
 import time
@@ -60,6 +62,15 @@ def fsync_tree(path: Path) -> None:
             finally:
                 os.close(fd)
         fsync_dir(Path(root))
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
