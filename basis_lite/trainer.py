@@ -27,9 +27,11 @@ import torch
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
+from . import distributed
 from .config import Config, save_config, to_dict
 from .data import PromptSampler, format_prompt, load_examples
 from .engines.base import params_from_config
+from .engines.seeded import stream_seed
 from .errors import ConfigError, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
 from .estimators.base import explained_variance
@@ -37,7 +39,7 @@ from .evaluate import evaluate
 from .faults import maybe_kill
 from .metrics import MetricsLog
 from .models import cache_root, count_parameters, peak_memory_mb
-from .priors import load_or_compute_prior, prior_values
+from .priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
 from .rewards import RewardScorer
 from .runtime import build_policy, seed_everything, setup_device
 from .update import make_optimizer, make_scheduler, policy_update
@@ -70,6 +72,8 @@ class RunState:
     bad_steps: int = 0  # non-finite steps in a row
     summary: dict = dataclasses.field(default_factory=dict)
     progress: bool = True
+    ranks: distributed.Ranks = dataclasses.field(default_factory=distributed.Ranks)  # data-parallel ranks (or one)
+    per_prompt_rng: bool = False  # rollouts from per-prompt streams (generation.rng)
 
     @property
     def uses_features(self) -> bool:
@@ -81,36 +85,61 @@ class RunState:
 
 
 def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, progress: bool = True) -> dict:
-    """Train to `train.steps` (from the latest checkpoint with `resume`); returns the run's summary."""
+    """Train to `train.steps` (from the latest checkpoint with `resume`); returns the run's summary.
+
+    Under torchrun every rank runs this: each generates, scores and trains on its share of the global batch,
+    baselines pool over the whole of it (basis_lite.distributed), and rank 0 alone writes the run folder.
+    """
     t_start = time.time()
-    run = setup(cfg, run_dir, resume, progress)
+    ranks = distributed.start(cfg)
     try:
-        bar = tqdm(total=cfg.train.steps, initial=run.step, desc="train", disable=not progress, unit="step")
-        for step in range(run.step + 1, cfg.train.steps + 1):
-            batch = next(run.sampler)
-            t0 = time.time()
-            rollouts = rollout(run, batch)
-            gen_s = time.time() - t0
-            maybe_kill("generation", step)
-            rewards, scored = score(run, batch, rollouts)
-            adv, base = baselines(run, batch, rollouts, rewards)
-            t1 = time.time()
-            stats, ok = update(run, rollouts, adv, step)
-            train_s = time.time() - t1
-            rec = step_record(run, step, rollouts, rewards, scored, adv, base, stats, ok, gen_s, train_s)
-            run.metrics.step(rec)
-            report_step(run, bar, rec)
-            run.step = step
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-                run.metrics.eval(step, run_eval(run, f"eval (step {step})"))
-            if step % cfg.train.save_every == 0 or step == cfg.train.steps:
+        run = setup(cfg, run_dir, resume, progress and ranks.is_main, ranks)
+        try:
+            return _loop(run, t_start)
+        finally:
+            run.metrics.close()
+            run.scorer.close()
+    finally:
+        ranks.close()
+
+
+def _loop(run: RunState, t_start: float) -> dict:
+    cfg = run.cfg
+    bar = tqdm(total=cfg.train.steps, initial=run.step, desc="train", disable=not run.progress, unit="step")
+    G = cfg.estimator.rollouts_per_prompt
+    for step in range(run.step + 1, cfg.train.steps + 1):
+        t_step = time.time()
+        batch = next(run.sampler)  # the global batch: the same on every rank
+        mine = run.ranks.shard(batch)
+        if run.per_prompt_rng:
+            run.ranks.seed_step(cfg.train.seed, step)
+        t0 = time.time()
+        rollouts = rollout(run, mine, step, first=run.ranks.bounds(len(batch))[0])
+        gen_s = time.time() - t0
+        maybe_kill("generation", step)
+        rewards, scored = score(run, mine, rollouts)
+        data = distributed.gather_step(run.ranks, rewards, rollouts, scored, G, run.uses_features, gen_s,
+                                       peak_memory_mb(run.device), run.scorer.warning_count)
+        adv, base = baselines(run, batch, rollouts, data.rewards, features=data.features)
+        t1 = time.time()
+        stats, ok = update(run, rollouts, run.ranks.shard(adv), step)
+        train_s = time.time() - t1
+        rec = step_record(run, step, data, adv, base, stats, ok, data.generation_s, train_s)
+        if run.ranks.active:
+            rec.update({"ranks": run.ranks.world, "gather_wait_s": data.wait_s, "gather_s": data.gather_s,
+                        "allreduce_s": run.ranks.last_allreduce_s, "step_s": time.time() - t_step})
+        run.metrics.step(rec)
+        report_step(run, bar, rec)
+        run.step = step
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+            run.metrics.eval(step, run_eval(run, f"eval (step {step})"))
+        if step % cfg.train.save_every == 0 or step == cfg.train.steps:
+            run.ranks.check_in_sync([p for p in run.model.parameters() if p.requires_grad], run.optimizer)
+            if run.ranks.is_main:
                 ckpt.save_checkpoint(run.run_dir, step, run.model, checkpoint_state(run), _config_text(run),
                                      cfg.train.keep_last)
-        bar.close()
-        return finish(run, t_start)
-    finally:
-        run.metrics.close()
-        run.scorer.close()
+    bar.close()
+    return finish(run, t_start)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -122,14 +151,19 @@ def default_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def setup(cfg: Config, run_dir: str | Path | None, resume: bool, progress: bool) -> RunState:
+def setup(cfg: Config, run_dir: str | Path | None, resume: bool, progress: bool,
+          ranks: distributed.Ranks | None = None) -> RunState:
     """Load data, model, engine, reward scorer, optimizer and prior; restore a checkpoint or run the first eval.
 
     Data loads first, so a bad dataset fails before minutes of model loading; the run folder is written only once
-    model, reward functions and optimizer loaded, so a user error leaves no trace.
+    model, reward functions and optimizer loaded, so a user error leaves no trace. With several `ranks`, rank 0
+    names the run folder and alone writes into it; every rank starts from rank 0's adapter.
     """
-    run_dir = Path(run_dir or cfg.output_dir or default_run_dir(cfg))
+    ranks = ranks or distributed.Ranks()
+    run_dir = Path(ranks.broadcast_text(str(run_dir or cfg.output_dir or default_run_dir(cfg))))
+    ranks.watch(run_dir)
     device, dtype = setup_device(cfg)
+    device = ranks.device(device)
     train_ex, eval_ex = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
     last = ckpt.latest_checkpoint(run_dir) if resume else None
     if resume and last is None:
@@ -138,7 +172,9 @@ def setup(cfg: Config, run_dir: str | Path | None, resume: bool, progress: bool)
         raise ConfigError(f"output folder {run_dir} already holds a run; pass --resume {run_dir} to continue it "
                           f"or choose another --output")
     seed_everything(cfg.train.seed)
-    model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(last / "adapter") if last else None)
+    with ranks.main_first():  # a built-in model is converted into the cache once
+        model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(last / "adapter") if last else None)
+    ranks.broadcast_params([p for p in model.parameters() if p.requires_grad])
     n_train, n_total = count_parameters(model)
     log.info("model %s on %s (%s): %.2fM trainable of %.1fM parameters", cfg.model.name, device, dtype,
              n_train / 1e6, n_total / 1e6)
@@ -150,16 +186,19 @@ def setup(cfg: Config, run_dir: str | Path | None, resume: bool, progress: bool)
         # without loss scaling
         scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12) if (
             device.type == "cuda" and dtype == torch.float16) else None
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+        if ranks.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "config.yaml")
         run = RunState(
             cfg=cfg, run_dir=run_dir, device=device, model=model, tok=tok, engine=engine, scorer=scorer,
             optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer), scaler=scaler,
             sampler=PromptSampler(train_ex, cfg.train.batch_size, seed=cfg.train.seed),
-            metrics=MetricsLog(run_dir, cfg.train.report_to, config=to_dict(cfg)),
+            metrics=(MetricsLog(run_dir, cfg.train.report_to, config=to_dict(cfg)) if ranks.is_main
+                     else distributed.NullMetrics()),
             estimator=get_estimator(cfg.estimator.name),
             prompt_of={ex.id: format_prompt(tok, ex.question, cfg.data) for ex in train_ex},
-            eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress)
+            eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress, ranks=ranks,
+            per_prompt_rng=distributed.per_prompt_rng(cfg, ranks))
         if run.estimator.uses_prior and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
         if last is not None:
@@ -184,10 +223,13 @@ def load_prior(run: RunState, train_ex) -> None:
     """
     cfg = run.cfg
     rng_before = ckpt.rng_state()
-    run.prior_table = load_or_compute_prior(
-        cfg, cache_root(cfg.model.cache_dir), run.engine, run.model, train_ex,
-        [run.prompt_of[e.id] for e in train_ex], run.scorer, params_from_config(cfg.generation),
-        cfg.estimator.prior_samples, progress=run.progress)
+    args = (cfg, cache_root(cfg.model.cache_dir), run.engine, run.model, train_ex,
+            [run.prompt_of[e.id] for e in train_ex], run.scorer, params_from_config(cfg.generation),
+            cfg.estimator.prior_samples)
+    if run.per_prompt_rng:  # split over the ranks, each prompt sampled from its own stream
+        run.prior_table = load_or_compute_seeded_prior(*args, ranks=run.ranks, progress=run.progress)
+    else:
+        run.prior_table = load_or_compute_prior(*args, progress=run.progress)
     ckpt.set_rng_state(rng_before)
     run.summary["prior_seconds"] = run.prior_table.get("seconds", 0.0)
     run.summary["prior_cached"] = run.prior_table["cached"]
@@ -202,6 +244,14 @@ def restore(run: RunState, last: Path) -> None:
     if run.scaler is not None and state.get("scaler"):
         run.scaler.load_state_dict(state["scaler"])
     run.step, run.bad_steps = state["step"], state.get("bad_steps", 0)
+    was = state.get("rng_mode", "global")
+    if was != ("per_prompt" if run.per_prompt_rng else "global"):
+        log.warning("the checkpoint's rollouts came from %s sampling streams, this run uses %s ones "
+                    "(generation.rng): the resumed run will not repeat the interrupted one", was,
+                    "per_prompt" if run.per_prompt_rng else "global")
+    elif state.get("ranks", 1) != run.ranks.world:
+        log.info("resuming a %d-rank run on %d ranks (per-prompt streams: the same rollouts, up to float rounding)",
+                 state.get("ranks", 1), run.ranks.world)
     run.summary["eval_before"] = state.get("eval_before")
     ckpt.set_rng_state(state["rng"])
     run.metrics.resume(run.step)
@@ -213,7 +263,8 @@ def checkpoint_state(run: RunState) -> dict:
             "sampler": run.sampler.state_dict(), "rng": ckpt.rng_state(), "history": run.history,
             "bad_steps": run.bad_steps, "eval_before": run.summary.get("eval_before"),
             "scaler": run.scaler.state_dict() if run.scaler is not None else None,
-            "prior_key": run.prior_table["key"] if run.prior_table else None}
+            "prior_key": run.prior_table["key"] if run.prior_table else None,
+            "ranks": run.ranks.world, "rng_mode": "per_prompt" if run.per_prompt_rng else "global"}
 
 
 def _config_text(run: RunState) -> str:
@@ -224,11 +275,17 @@ def _config_text(run: RunState) -> str:
 # one step
 
 
-def rollout(run: RunState, batch) -> list:
-    """G completions per prompt from the engine, with the current adapter pushed to it first."""
+def rollout(run: RunState, batch, step: int = 0, first: int = 0) -> list:
+    """G completions per prompt from the engine, with the current adapter pushed to it first.
+
+    With per-prompt streams, prompt i of `batch` (index first + i in the step's global batch) samples from the
+    stream (train.seed, step, first + i), whichever rank generates it.
+    """
     prompts = [run.prompt_of[ex.id] for ex in batch]
     run.engine.sync(run.model)
     params = params_from_config(run.cfg.generation, n=run.cfg.estimator.rollouts_per_prompt)
+    if run.per_prompt_rng:
+        params.seeds = [stream_seed(run.cfg.train.seed, f"rollout/{step}", first + i) for i in range(len(batch))]
     return run.engine.generate(prompts, params, with_features=run.uses_features)
 
 
@@ -241,16 +298,18 @@ def score(run: RunState, batch, rollouts):
     return torch.tensor(scored.total, dtype=torch.float32).view(len(batch), G), scored
 
 
-def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor):
-    """(advantages [B, G], baselines [B, G]) from the configured estimator, with the side information it uses."""
+def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor, features: torch.Tensor | None = None):
+    """(advantages [B, G], baselines [B, G]) from the configured estimator, with the side information it uses.
+
+    `features` [B, D] replaces the rollouts' own (the training loop passes those of the global batch).
+    """
     est, G = run.cfg.estimator, run.cfg.estimator.rollouts_per_prompt
     ids = [ex.id for ex in batch]
     prior = None
     if run.estimator.uses_prior or run.uses_history:
         prior = prior_values(ids, run.prior_table, run.history if run.uses_history else None)
-    features = None
-    if run.uses_features and rollouts[0].feature is not None:
-        features = torch.stack([rollouts[i * G].feature for i in range(len(batch))])
+    if features is None:
+        features = distributed.local_features(rollouts, len(batch), G, run.uses_features)
     ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=features, history=run.history,
                            options=est.options, normalize=est.normalize)
     adv, base = run.estimator.compute(rewards, ctx)
@@ -266,8 +325,8 @@ def update(run: RunState, rollouts, adv: torch.Tensor, step: int):
     """One optimizer step; a non-finite loss skips it, `train.max_bad_steps` of them in a row abort the run."""
     cfg = run.cfg
     try:
-        stats, ok = policy_update(cfg, run.model, run.optimizer, rollouts, adv.view(-1), run.tok.pad_token_id,
-                                  run.device, step, run.scaler)
+        stats, ok = policy_update(cfg, run.model, run.optimizer, rollouts, adv.reshape(-1), run.tok.pad_token_id,
+                                  run.device, step, run.scaler, ranks=run.ranks if run.ranks.active else None)
     except torch.OutOfMemoryError:
         raise TrainingAborted(
             f"CUDA out of memory at step {step} with train.micro_batch_size={cfg.train.micro_batch_size}; "
@@ -289,20 +348,22 @@ def update(run: RunState, rollouts, adv: torch.Tensor, step: int):
     return stats, ok
 
 
-def step_record(run: RunState, step, rollouts, rewards, scored, adv, base, stats, ok, gen_s, train_s) -> dict:
-    """The metrics.jsonl line of one step."""
+def step_record(run: RunState, step, data: distributed.StepData, adv, base, stats, ok, gen_s, train_s) -> dict:
+    """The metrics.jsonl line of one step, over the global batch."""
+    rewards = data.rewards
     r_flat = rewards.view(-1)
-    comp_tokens = sum(len(r.completion_ids) for r in rollouts)
+    comp_tokens = sum(data.completion_lens)
     return {
-        "step": step, "reward_mean": r_flat.mean().item(), "accuracy": sum(scored.correct) / len(scored.correct),
-        "format_rate": sum(scored.format) / len(scored.format), "baseline_mean": base.mean().item(),
+        "step": step, "reward_mean": r_flat.mean().item(), "accuracy": sum(data.correct) / len(data.correct),
+        "format_rate": sum(data.format) / len(data.format), "baseline_mean": base.mean().item(),
         "advantage_std": adv.std().item() if adv.numel() > 1 else 0.0,
         "explained_variance": explained_variance(rewards, base), "kl": stats["kl"], "entropy": stats["entropy"],
-        "completion_len": comp_tokens / len(rollouts), "loss": stats["loss"], "grad_norm": stats["grad_norm"],
-        "clip_fraction": stats["clip_fraction"], "lr": run.optimizer.param_groups[0]["lr"],
-        "generation_s": gen_s, "training_s": train_s, "tokens_per_s": comp_tokens / max(1e-9, gen_s + train_s),
-        "peak_memory_mb": peak_memory_mb(run.device), "reward_warnings": run.scorer.warning_count,
-        "skipped": not ok,
+        "completion_len": comp_tokens / len(data.completion_lens), "loss": stats["loss"],
+        "grad_norm": stats["grad_norm"], "clip_fraction": stats["clip_fraction"],
+        "lr": run.optimizer.param_groups[0]["lr"], "generation_s": gen_s, "training_s": train_s,
+        "tokens_per_s": comp_tokens / max(1e-9, gen_s + train_s),
+        "peak_memory_mb": max(data.peak_memory_mb, peak_memory_mb(run.device)),
+        "reward_warnings": data.reward_warnings, "skipped": not ok,
     }
 
 
@@ -322,10 +383,12 @@ def report_step(run: RunState, bar, rec: dict) -> None:
 
 
 def run_eval(run: RunState, desc: str) -> dict:
+    """Greedy held-out accuracy; with several ranks each evaluates its share and the counts are summed."""
     cfg = run.cfg
-    return evaluate(run.engine, run.tok, run.eval_examples, cfg.data, max_new_tokens=cfg.train.eval_max_new_tokens,
-                    require_boxed=cfg.reward.require_boxed, batch_size=cfg.train.eval_batch_size,
-                    progress=run.progress, desc=desc)
+    return distributed.evaluate_sharded(run.ranks, run.eval_examples, lambda examples: evaluate(
+        run.engine, run.tok, examples, cfg.data, max_new_tokens=cfg.train.eval_max_new_tokens,
+        require_boxed=cfg.reward.require_boxed, batch_size=cfg.train.eval_batch_size, progress=run.progress,
+        desc=desc))
 
 
 def finish(run: RunState, t_start: float) -> dict:
@@ -334,9 +397,16 @@ def finish(run: RunState, t_start: float) -> dict:
     run.summary["eval_after"] = run_eval(run, "eval (after)")
     run.metrics.eval(cfg.train.steps, run.summary["eval_after"], final=True)
     final = run.run_dir / "adapter"
+    reward_warnings = int(run.ranks.sum([float(run.scorer.warning_count)])[0])
+    if run.ranks.active:
+        run.summary["ranks"] = run.ranks.world
+    if not run.ranks.is_main:  # rank 0 writes the adapter and the summary
+        run.summary.update({"adapter": str(final), "steps": cfg.train.steps, "seconds": time.time() - t_start,
+                            "reward_warnings": reward_warnings})
+        return run.summary
     run.model.save_pretrained(final)
     save_config(cfg, final / "basis_lite_config.yaml")
     run.summary.update({"adapter": str(final), "steps": cfg.train.steps, "seconds": time.time() - t_start,
-                        "reward_warnings": run.scorer.warning_count})
+                        "reward_warnings": reward_warnings})
     (run.run_dir / "summary.json").write_text(json.dumps(run.summary, indent=2, default=str))
     return run.summary

@@ -69,17 +69,21 @@ def pack_sequences(rollouts, max_len: int, pad_id: int):
 
 
 def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
-                  step: int = 0, scaler=None):
+                  step: int = 0, scaler=None, ranks=None):
     """Accumulate the token-level loss over micro-batches, then clip and step. Returns (stats, ok).
 
     Every micro-batch divides by the completion-token count of the WHOLE step, so the accumulated gradient equals
     the full-batch gradient (batch 8 x accumulation 1 == 1 x 8). Rollouts whose advantage is exactly 0 add
     nothing to the policy loss and are skipped (their tokens still count in the divisor) unless a KL term needs
-    them.
+    them. With `ranks` (data-parallel, basis_lite.distributed) `rollouts` are this rank's share: the divisor is the
+    token count of the global batch, and gradients and statistics are summed over the ranks before clipping, so
+    every rank takes the same step.
     """
     t = cfg.train
     total_tokens = sum(max(0, min(len(r.prompt_ids) + len(r.completion_ids), cfg.model.max_seq_length)
                            - len(r.prompt_ids)) for r in rollouts)
+    if ranks is not None:
+        total_tokens = int(round(ranks.sum([float(total_tokens)])[0]))
     idx = [i for i in range(len(rollouts)) if t.kl_coef > 0 or advantages[i].item() != 0.0]
     # micro-batches of similar lengths: each is padded to its longest sequence, so sorting wastes fewer FLOPs
     idx.sort(key=lambda i: len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids))
@@ -113,16 +117,19 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
         if out.entropy is not None:
             stats["entropy_sum"] += float((out.entropy * out.mask).sum())
             ent_tokens += int(out.mask.sum())
-    stats["entropy"] = stats.pop("entropy_sum") / max(1, ent_tokens) if ent_tokens else float("nan")
     params = [p for p in model.parameters() if p.requires_grad]
-    if scaler is not None and idx:
+    if ranks is not None:
+        ent_tokens = ranks.reduce_update(params, stats, ent_tokens)
+    stats["entropy"] = stats.pop("entropy_sum") / max(1, ent_tokens) if ent_tokens else float("nan")
+    trained = stats["trained_sequences"]  # over all ranks
+    if scaler is not None and trained:
         scaler.unscale_(optimizer)  # clip the true gradients
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm) if idx else torch.tensor(0.0)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm) if trained else torch.tensor(0.0)
     stats["grad_norm"] = float(grad_norm)
     # fp16: an overflow in the scaled gradients is the scaler's business (it skips the step and lowers its scale),
     # not a bad step; only a non-finite loss is
     ok = math.isfinite(stats["loss"]) and (scaler is not None or math.isfinite(stats["grad_norm"]))
-    if ok and idx:
+    if ok and trained:
         maybe_kill("optimizer", step)
         if scaler is not None:
             scaler.step(optimizer)

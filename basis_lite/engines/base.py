@@ -23,6 +23,7 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 64
     n: int = 1  # samples per prompt
+    seeds: list[int] | None = None  # one per prompt: sample it from its own stream (engines/seeded.py); None: global RNG
 
 
 @dataclass

@@ -10,10 +10,13 @@ last tokens) and keeps the mean of the last `feature_tokens` positions. No extra
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..models import decoder_layers, inference_mode
 from .base import Rollout, SamplingParams, stop_token_ids
+from .seeded import seeded_logits_processor
 
 
 class HFEngine:
@@ -46,7 +49,9 @@ class HFEngine:
         per_call = max(1, self.batch_size // max(1, params.n))
         out: list[Rollout] = []
         for start in range(0, len(prompts), per_call):
-            out.extend(self._generate_chunk(prompts[start:start + per_call], params, with_features))
+            chunk = params if params.seeds is None else dataclasses.replace(
+                params, seeds=params.seeds[start:start + per_call])
+            out.extend(self._generate_chunk(prompts[start:start + per_call], chunk, with_features))
         return out
 
     def _generate_chunk(self, prompts: list[str], params: SamplingParams, with_features: bool) -> list[Rollout]:
@@ -71,6 +76,9 @@ class HFEngine:
             # top_k=0 disables top-k explicitly: None would fall back to the model's generation_config (often
             # top_k=50), sampling from a truncated distribution the loss does not know about
             gen_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+            if params.seeds is not None:  # per-prompt streams: the processor picks the token, multinomial keeps it
+                gen_kwargs["logits_processor"] = seeded_logits_processor(
+                    params.seeds, params.n, params.temperature, params.top_p, params.top_k)
         else:
             gen_kwargs.update(temperature=None, top_p=None, top_k=None)
         try:
