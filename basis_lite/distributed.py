@@ -72,6 +72,8 @@ class Ranks:
     local_world = 1
     active = False
     backend = "none"
+    last_allreduce_s = 0.0  # the latest gradient all-reduce: seconds and bytes per rank
+    last_allreduce_bytes = 0
 
     @property
     def is_main(self) -> bool:
@@ -148,6 +150,7 @@ class StepData:
     peak_memory_mb: float  # the largest rank's
     wait_s: float = 0.0  # waiting for the slowest rank before the gather
     gather_s: float = 0.0  # the all-gather itself
+    gather_bytes: int = 0  # what the all-gather delivers to each rank
 
 
 def local_features(rollouts, batch_len: int, G: int, uses_features: bool) -> torch.Tensor | None:
@@ -194,7 +197,8 @@ def gather_step(ranks: Ranks, rewards: torch.Tensor, rollouts, scored, G: int, u
         format=[float(x) for x in rows[:, cols[2]:cols[3]].reshape(-1).tolist()],
         completion_lens=[int(x) for x in rows[:, cols[3]:cols[4]].reshape(-1).tolist()],
         reward_warnings=int(heads[:, 3].sum()), generation_s=float(heads[:, 1].max()),
-        peak_memory_mb=float(heads[:, 2].max()), wait_s=t1 - t0, gather_s=t2 - t1)
+        peak_memory_mb=float(heads[:, 2].max()), wait_s=t1 - t0, gather_s=t2 - t1,
+        gather_bytes=rows.numel() * rows.element_size())
 
 
 def evaluate_sharded(ranks: Ranks, examples: list, evaluate_fn) -> dict:
@@ -267,6 +271,7 @@ class ProcessGroupRanks(Ranks):
         self._device = device
         self.run_dir: Path | None = None
         self.last_allreduce_s = 0.0
+        self.last_allreduce_bytes = 0
         self._closed = False
         if not dist.is_initialized():
             kw = {"device_id": device} if device.type == "cuda" else {}
@@ -399,6 +404,7 @@ class ProcessGroupRanks(Ranks):
             stats[k] = v
         stats["trained_sequences"] = int(round(stats["trained_sequences"]))
         self.last_allreduce_s = time.time() - t0
+        self.last_allreduce_bytes = flat.numel() * flat.element_size()
         return int(round(tot[-1]))
 
     def check_in_sync(self, params, optimizer) -> None:

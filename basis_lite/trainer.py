@@ -127,7 +127,9 @@ def _loop(run: RunState, t_start: float) -> dict:
         rec = step_record(run, step, data, adv, base, stats, ok, data.generation_s, train_s)
         if run.ranks.active:
             rec.update({"ranks": run.ranks.world, "gather_wait_s": data.wait_s, "gather_s": data.gather_s,
-                        "allreduce_s": run.ranks.last_allreduce_s, "step_s": time.time() - t_step})
+                        "gather_bytes": data.gather_bytes, "allreduce_s": run.ranks.last_allreduce_s,
+                        "allreduce_bytes": run.ranks.last_allreduce_bytes,
+                        "step_s": time.time() - t_step})
         run.metrics.step(rec)
         report_step(run, bar, rec)
         run.step = step
