@@ -1,7 +1,7 @@
 """Data-parallel training (issue 13) on real torch.distributed: gloo, 2 processes started by torchrun, the tiny model.
 
-- a 2-rank run with global batch B gives the same prompts, rollouts, rewards, baselines, advantages, metrics and
-  adapter as a 1-process run with batch B (both sample from per-prompt streams, generation.rng=per_prompt);
+- a 2-rank run with global batch B gives the same prompts, rollouts, rewards, prior, baselines, advantages, metrics,
+  eval and adapter as a 1-process run with batch B (both sample from per-prompt streams, generation.rng=per_prompt);
 - only rank 0 writes into the run folder (every rank's writes recorded through audit hooks, tests/dist_entry.py);
 - killing rank 1 mid-run stops rank 0 with a message that names rank 1 and the last good checkpoint, and `--resume`
   on 2 ranks ends with the uninterrupted run's adapter and metrics.
@@ -23,7 +23,9 @@ import torch
 from conftest import REPO, VARIED, adapter_weights, cli_main, sets, step_records, subprocess_env
 
 STEPS = 3
-OVERRIDES = VARIED + [f"train.steps={STEPS}", "train.batch_size=4", "train.micro_batch_size=2", "train.save_every=2"]
+# with a K=2 prior: each torchrun job has a cache of its own, so its ranks compute the prior (split between them)
+OVERRIDES = VARIED + [f"train.steps={STEPS}", "train.batch_size=4", "train.micro_batch_size=2", "train.save_every=2",
+                      "estimator.prior_samples=2"]
 KILL = "generation:3"  # after the checkpoint of step 2
 COMPARED = ("reward_mean", "accuracy", "baseline_mean", "advantage_std", "explained_variance", "loss", "grad_norm",
             "entropy", "completion_len", "lr")
@@ -76,18 +78,20 @@ def two(tmp_path_factory):
     """Two torchrun jobs side by side: uninterrupted, and killed at rank 1 then resumed on 2 ranks."""
     root = tmp_path_factory.mktemp("two")
     full, killed = root / "full", root / "killed"
-    p_full = _torchrun(root / "logs-full", full, _train_args(full))
+    p_full = _torchrun(root / "logs-full", full, _train_args(full), BASIS_LITE_CACHE=root / "cache-full")
     p_killed = _torchrun(root / "logs-killed", killed, _train_args(killed), BASIS_LITE_KILL_AT=KILL,
-                         BASIS_LITE_KILL_RANK=1)
+                         BASIS_LITE_KILL_RANK=1, BASIS_LITE_CACHE=root / "cache-killed")
     res_full, res_killed = _finish(p_full), _finish(p_killed)
     assert res_full.rc == 0, f"2-rank run failed (rc {res_full.rc}):\n{res_full.stderr[-5000:]}"
     after_kill = {"adapter": (killed / "adapter").exists(),
                   "checkpoints": sorted(p.name for p in (killed / "checkpoints").glob("step-*"))}
-    res_resume = _finish(_torchrun(root / "logs-resume", killed, ["train", "--resume", str(killed), "--no-progress"]))
+    res_resume = _finish(_torchrun(root / "logs-resume", killed, ["train", "--resume", str(killed), "--no-progress"],
+                                   BASIS_LITE_CACHE=root / "cache-killed"))
     return SimpleNamespace(full=full, killed=killed, logs=root / "logs-full", res_full=res_full,
                            res_killed=res_killed, after_kill=after_kill, res_resume=res_resume)
 
 
+@pytest.mark.distributed
 def test_two_ranks_equal_one_process(one, two):
     mine = _log(one.logs, 0, "step")
     r0, r1 = _log(two.logs, 0, "step"), _log(two.logs, 1, "step")
@@ -111,11 +115,12 @@ def test_two_ranks_equal_one_process(one, two):
     assert sum(float(v.abs().sum()) for k, v in ga.items() if "lora_B" in k) > 0  # it learned something
     for k in wa:
         assert torch.allclose(wa[k], ga[k], rtol=1e-5, atol=1e-7), k
-    summary = json.loads((two.full / "summary.json").read_text())
-    assert summary["ranks"] == 2
-    assert summary["eval_after"]["n"] == json.loads((one.run / "summary.json").read_text())["eval_after"]["n"]
+    summary, single = (json.loads((r / "summary.json").read_text()) for r in (two.full, one.run))
+    assert summary["ranks"] == 2 and summary["prior_cached"] is False  # the 2 ranks computed the prior
+    assert summary["eval_after"] == single["eval_after"] and summary["eval_before"] == single["eval_before"]
 
 
+@pytest.mark.distributed
 def test_only_rank_0_writes_the_run_folder(two):
     w0, w1 = _log(two.logs, 0, "write"), _log(two.logs, 1, "write")
     assert w1 == [], f"rank 1 wrote into the run folder: {w1[:5]}"
@@ -126,6 +131,7 @@ def test_only_rank_0_writes_the_run_folder(two):
     assert two.res_full.stdout.count("held-out accuracy") == 1
 
 
+@pytest.mark.distributed
 def test_killed_rank_stops_the_other_and_resume_finishes_the_run(two):
     res = two.res_killed
     assert res.rc != 0, "the launcher should report the killed rank"
