@@ -197,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from basis_lite.errors import USER_ERRORS
 
+    if args.command != "train" and all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        print(f"error: `{args.command}` runs in one process; only `train` runs under torchrun (every rank would "
+              "repeat it)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return COMMANDS[args.command](args)
     except USER_ERRORS as e:

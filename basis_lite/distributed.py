@@ -171,10 +171,10 @@ def gather_step(ranks: Ranks, rewards: torch.Tensor, rollouts, scored, G: int, u
                         generation_s, peak_memory_mb)
     d = 0 if feats is None else feats.shape[1]
     head = torch.tensor([float(d), generation_s, peak_memory_mb, float(reward_warnings)], dtype=torch.float64)
-    parts = [head, rewards.reshape(-1).double(), torch.tensor(scored.correct, dtype=torch.float64),
+    parts = [head, rewards.reshape(-1).double().cpu(), torch.tensor(scored.correct, dtype=torch.float64),
              torch.tensor(scored.format, dtype=torch.float64), torch.tensor(lens, dtype=torch.float64)]
     if feats is not None:
-        parts.append(feats.reshape(-1).double())
+        parts.append(feats.reshape(-1).double().cpu())
     packed = torch.cat(parts)
     t0 = time.time()
     ranks.sum([0.0])  # waits for the slowest rank, so gather_s below is the transfer alone

@@ -268,3 +268,10 @@ def test_plan_per_card_with_several_gpus():
     assert kv4 < kv1
     with pytest.raises(ConfigError, match="--gpus 5"):
         plan_for("gpu-24gb", gpus=5)
+
+
+def test_other_commands_refuse_to_run_under_torchrun(monkeypatch, capsys):
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert cli_main("presets") == 2
+    assert "only `train` runs under torchrun" in capsys.readouterr().err
