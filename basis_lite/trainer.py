@@ -94,54 +94,50 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
     ranks = distributed.start(cfg)
     try:
         run = setup(cfg, run_dir, resume, progress and ranks.is_main, ranks)
-        try:
-            return _loop(run, t_start)
-        finally:
-            run.metrics.close()
-            run.scorer.close()
-    finally:
+    except BaseException:
         ranks.close()
-
-
-def _loop(run: RunState, t_start: float) -> dict:
-    cfg = run.cfg
-    bar = tqdm(total=cfg.train.steps, initial=run.step, desc="train", disable=not run.progress, unit="step")
-    G = cfg.estimator.rollouts_per_prompt
-    for step in range(run.step + 1, cfg.train.steps + 1):
-        t_step = time.time()
-        batch = next(run.sampler)  # the global batch: the same on every rank
-        mine = run.ranks.shard(batch)
-        if run.per_prompt_rng:
-            run.ranks.seed_step(cfg.train.seed, step)
-        t0 = time.time()
-        rollouts = rollout(run, mine, step, first=run.ranks.bounds(len(batch))[0])
-        gen_s = time.time() - t0
-        maybe_kill("generation", step)
-        rewards, scored = score(run, mine, rollouts)
-        data = distributed.gather_step(run.ranks, rewards, rollouts, scored, G, run.uses_features, gen_s,
-                                       peak_memory_mb(run.device), run.scorer.warning_count)
-        adv, base = baselines(run, batch, rollouts, data.rewards, features=data.features)
-        t1 = time.time()
-        stats, ok = update(run, rollouts, run.ranks.shard(adv), step)
-        train_s = time.time() - t1
-        rec = step_record(run, step, data, adv, base, stats, ok, data.generation_s, train_s)
-        if run.ranks.active:
-            rec.update({"ranks": run.ranks.world, "gather_wait_s": data.wait_s, "gather_s": data.gather_s,
-                        "gather_bytes": data.gather_bytes, "allreduce_s": run.ranks.last_allreduce_s,
-                        "allreduce_bytes": run.ranks.last_allreduce_bytes,
-                        "step_s": time.time() - t_step})
-        run.metrics.step(rec)
-        report_step(run, bar, rec)
-        run.step = step
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-            run.metrics.eval(step, run_eval(run, f"eval (step {step})"))
-        if step % cfg.train.save_every == 0 or step == cfg.train.steps:
-            run.ranks.check_in_sync([p for p in run.model.parameters() if p.requires_grad], run.optimizer)
-            if run.ranks.is_main:
-                ckpt.save_checkpoint(run.run_dir, step, run.model, checkpoint_state(run), _config_text(run),
-                                     cfg.train.keep_last)
-    bar.close()
-    return finish(run, t_start)
+        raise
+    try:
+        bar = tqdm(total=cfg.train.steps, initial=run.step, desc="train", disable=not run.progress, unit="step")
+        for step in range(run.step + 1, cfg.train.steps + 1):
+            t_step = time.time()
+            batch = next(run.sampler)  # the global batch: the same on every rank
+            mine = ranks.shard(batch)
+            if run.per_prompt_rng:
+                ranks.seed_step(cfg.train.seed, step)
+            t0 = time.time()
+            rollouts = rollout(run, mine, step, first=ranks.bounds(len(batch))[0])
+            gen_s = time.time() - t0
+            maybe_kill("generation", step)
+            rewards, scored = score(run, mine, rollouts)
+            data = distributed.gather_step(ranks, rewards, rollouts, scored, cfg.estimator.rollouts_per_prompt,
+                                           run.uses_features, gen_s, peak_memory_mb(run.device),
+                                           run.scorer.warning_count)
+            adv, base = baselines(run, batch, rollouts, data.rewards, features=data.features)
+            t1 = time.time()
+            stats, ok = update(run, rollouts, ranks.shard(adv), step)
+            train_s = time.time() - t1
+            rec = step_record(run, step, data, adv, base, stats, ok, data.generation_s, train_s)
+            if ranks.active:
+                rec.update({"ranks": ranks.world, "gather_wait_s": data.wait_s, "gather_s": data.gather_s,
+                            "gather_bytes": data.gather_bytes, "allreduce_s": ranks.last_allreduce_s,
+                            "allreduce_bytes": ranks.last_allreduce_bytes, "step_s": time.time() - t_step})
+            run.metrics.step(rec)
+            report_step(run, bar, rec)
+            run.step = step
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+                run.metrics.eval(step, run_eval(run, f"eval (step {step})"))
+            if step % cfg.train.save_every == 0 or step == cfg.train.steps:
+                ranks.check_in_sync([p for p in run.model.parameters() if p.requires_grad], run.optimizer)
+                if ranks.is_main:
+                    ckpt.save_checkpoint(run.run_dir, step, run.model, checkpoint_state(run), _config_text(run),
+                                         cfg.train.keep_last)
+        bar.close()
+        return finish(run, t_start)
+    finally:
+        run.metrics.close()
+        run.scorer.close()
+        ranks.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------
