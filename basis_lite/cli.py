@@ -2,10 +2,11 @@
 """basis-lite: single-rollout RL from verifiable rewards with BASIS baselines.
 
     basis-lite train   [--preset NAME_OR_PATH] [--set key=value ...] [--output DIR] [--resume RUN_DIR]
+    torchrun --nproc_per_node N -m basis_lite train ...    the same on N data-parallel ranks (README)
     basis-lite eval    RUN_DIR_OR_ADAPTER [--dataset NAME_OR_FILE] [--samples K] [--limit N] [--base] [--out FILE]
     basis-lite export  RUN_DIR --out DIR [--merged] [--dtype bfloat16|float16] [--gguf f16|q8_0] [--tolerance T]
     basis-lite prior   [--preset ...] [--set ...]       precompute the BASIS reference prior (cached)
-    basis-lite plan    [--preset ...] [--gpu-memory GiB] [--all]   memory estimate by part
+    basis-lite plan    [--preset ...] [--gpu-memory GiB] [--gpus N] [--all]   memory estimate by part
     basis-lite plot    RUN_DIR [--out DIR]              PNG charts of a run's metrics
     basis-lite presets                                   list the presets
     basis-lite config  [--preset ...] [--set ...]       print the resolved config: every key, its value and meaning
@@ -106,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--gpu-memory", type=float, default=None, help="card memory in GiB, as nvidia-smi reports it (default: the preset's)")
     p.add_argument("--all", action="store_true", help="print the plan for every preset")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="data-parallel GPUs (torchrun --nproc_per_node N): memory per card and the global batch")
 
     p = sub.add_parser("plot", help="write PNG charts of a run's metrics.jsonl")
     p.add_argument("run_dir")
@@ -126,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     from basis_lite.config import load_config
+    from basis_lite.distributed import env_rank
     from basis_lite.runs import resume_config
     from basis_lite.trainer import train
 
@@ -136,6 +140,8 @@ def cmd_train(args) -> int:
     else:
         cfg = load_config(args.preset, args.overrides)
         summary = train(cfg, args.output, progress=not args.no_progress)
+    if env_rank() != 0:  # under torchrun rank 0 prints the result
+        return 0
     before, after = summary.get("eval_before") or {}, summary.get("eval_after")
     print()
     if not after:
@@ -236,7 +242,7 @@ def cmd_plan(args) -> int:
     from basis_lite.plan import PLAN_FOOTER, plan_for
 
     names = list_presets() if args.all else [args.preset or None]
-    blocks = [plan_for(name, args.overrides, args.gpu_memory) for name in names]
+    blocks = [plan_for(name, args.overrides, args.gpu_memory, gpus=args.gpus) for name in names]
     print("\n\n".join([*blocks, PLAN_FOOTER]), flush=True)
     return 0
 
@@ -266,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     from basis_lite.errors import USER_ERRORS
     from basis_lite.safeio import disk_full_error, is_disk_full
 
+    if args.command != "train" and all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        print(f"error: `{args.command}` runs in one process; only `train` runs under torchrun (every rank would "
+              "repeat it)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return COMMANDS[args.command](args)
     except USER_ERRORS as e:

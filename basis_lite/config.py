@@ -98,7 +98,11 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 64
-    batch_size: int = 64  # prompts per generate() call (chunking)
+    batch_size: int = 64  # prompts per generate() call (chunking); per rank under torchrun
+    # where sampling randomness comes from: global (torch's RNG, advanced by every draw of the batch) | per_prompt
+    # (each prompt of a step its own stream, so rollouts do not depend on batching or the number of ranks) |
+    # auto (per_prompt under torchrun, global otherwise)
+    rng: str = "auto"
 
 
 @dataclass
@@ -126,8 +130,8 @@ class EstimatorConfig:
 @dataclass
 class TrainConfig:
     steps: int = 40
-    batch_size: int = 32  # prompts per step (each gets rollouts_per_prompt completions)
-    micro_batch_size: int = 8  # sequences per forward/backward; gradient accumulation covers the rest
+    batch_size: int = 32  # prompts per step (each gets rollouts_per_prompt completions); under torchrun the global batch
+    micro_batch_size: int = 8  # sequences per forward/backward (per rank); gradient accumulation covers the rest
     lr: float = 2e-4
     weight_decay: float = 0.0
     warmup_steps: int = 2
@@ -192,6 +196,7 @@ CHOICES = {
     "model.backend": ("auto", "hf", "unsloth"),
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "generation.engine": ("hf", "vllm"),
+    "generation.rng": ("auto", "global", "per_prompt"),
     "estimator.name": estimator_names(),  # the registry (validate() reads it again, for names registered later)
     "train.schedule": ("cosine", "constant"),
     "train.optimizer": ("auto", "adamw", "adamw8bit"),
@@ -336,7 +341,10 @@ HELP: dict[str, str] = {
     "generation.top_p": "nucleus sampling (1 = off)",
     "generation.top_k": "top-k sampling (0 = off; -1 is read as 0, vLLM's and TRL's 'off')",
     "generation.max_new_tokens": "completion tokens per rollout (TRL: max_completion_length)",
-    "generation.batch_size": "prompts per generate() call",
+    "generation.batch_size": "prompts per generate() call (per rank under torchrun)",
+    "generation.rng": "where sampling randomness comes from: global (torch's RNG) | per_prompt (each prompt of a step "
+                      "its own stream, so rollouts do not depend on batching or the number of ranks; EAPO-injected "
+                      "rollouts still draw from torch's RNG) | auto (per_prompt under torchrun)",
     "reward.correctness_weight": "weight of the math-verify answer check (1 when the answer equals the gold one)",
     "reward.format_weight": "weight of the format reward (1 for a non-empty \\boxed{})",
     "reward.require_boxed": "correctness reads only the last non-empty \\boxed{} (math-verify alone falls back "

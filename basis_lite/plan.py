@@ -7,6 +7,7 @@
     basis-lite plan --preset colab-t4-qwen2.5-1.5b-gsm8k            # card size from the preset header
     basis-lite plan --preset gpu-8gb --gpu-memory 6 --set train.micro_batch_size=2
     basis-lite plan --all                                           # every preset
+    basis-lite plan --preset gpu-24gb --gpus 4                      # per card, data-parallel over 4 GPUs
 
 Torch-free (it imports neither torch nor the model code), so `basis-lite plan` starts in a fraction of a second.
 
@@ -26,6 +27,10 @@ a small built-in table of known models: nothing is downloaded) and the config:
 
 Generation and training do not overlap in time, so the peak is the larger of the two phases, except that vLLM keeps
 its share between rollouts (unless Unsloth's standby mode frees the KV cache while training).
+
+With `--gpus N` (data-parallel, `torchrun --nproc_per_node N`) every card holds the whole model, adapter and
+optimizer state and generates its share train.batch_size / N of the global batch; it adds a flat fp32 copy of the
+LoRA gradients (the all-reduce buffer) and NCCL's communicator buffers.
 
 NOT YET CHECKED AGAINST A MEASURED GPU PEAK: no GPU was available when this was written; the output says so.
 """
@@ -49,6 +54,7 @@ VLLM_BUFFERS_GIB = 0.4  # vLLM's own activations / sampler / CUDA-graph pool whe
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax per 64 + fp32 absmax per 256 blocks
 ADAMW8BIT_BYTES = 2.0  # two 8-bit moments per param (+ a negligible per-block scale)
 ADAMW_BYTES = 8.0  # two fp32 moments
+NCCL_BUFFERS_GIB = 0.25  # NCCL's communicator buffers per card with several GPUs (rough: depends on NCCL_BUFFSIZE)
 
 
 @dataclass(frozen=True)
@@ -201,7 +207,9 @@ class Plan:
 
 
 def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShape | None = None,
-               shape_source: str = "") -> Plan:
+               shape_source: str = "", gpus: int = 1) -> Plan:
+    """The estimate for one card; with `gpus` > 1, one card of a data-parallel run over that many."""
+    check_gpus(cfg, gpus)
     if shape is None:
         shape, shape_source = model_shape(cfg.model.name, cfg.model.cache_dir)
     cuda = cfg.device != "cpu"
@@ -227,6 +235,10 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
     parts[f"LoRA r={cfg.lora.r} params + grads (fp32)"] = n_lora * 8 / GIB
     opt = t.optimizer if t.optimizer != "auto" else ("adamw8bit" if cuda else "adamw")
     parts[f"optimizer state ({opt})"] = n_lora * (ADAMW8BIT_BYTES if opt == "adamw8bit" else ADAMW_BYTES) / GIB
+    if gpus > 1:
+        parts["data-parallel: flat fp32 LoRA gradients for the all-reduce"] = n_lora * 4 / GIB
+        if cuda:
+            parts["data-parallel: NCCL communicator buffers (rough)"] = NCCL_BUFFERS_GIB
 
     # training phase
     T, mb = m.max_seq_length, t.micro_batch_size
@@ -246,7 +258,7 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
     train_phase = parts[act_label] + parts[f"log-prob chunk ({chunk} tokens x vocab {shape.vocab}, fp32 x3)"]
 
     # generation phase
-    seqs = t.batch_size * e.rollouts_per_prompt
+    seqs = t.batch_size // gpus * e.rollouts_per_prompt  # this card's share of the global batch
     kv_tok = shape.kv_bytes_per_token(db)
     standby = shared and m.unsloth_standby
     keeps_share = False
@@ -307,6 +319,9 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
     else:
         notes.append("vLLM keeps its share while training (set model.unsloth_standby=true to free the KV cache "
                      "between rollouts): both phases are counted")
+    if gpus > 1 and cuda:
+        notes.append(f"{gpus} GPUs: per-card figures; the nccl path has not run on real GPUs yet (the gloo path is "
+                     "tested on CPUs), and Unsloth's in-process vLLM under torchrun is unverified")
     if backend == "unsloth" and cuda and m.gradient_checkpointing:
         notes.append("Unsloth's gradient checkpointing offloads the saved activations to CPU RAM: the activation "
                      "line is an upper bound there")
@@ -318,9 +333,17 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
                 engine=engine)
 
 
-def estimate_memory(cfg: Config, gpu_memory_gb: float | None = None) -> dict:
+def check_gpus(cfg: Config, gpus: int) -> None:
+    if gpus < 1:
+        raise ConfigError(f"--gpus: expected N >= 1, got {gpus}")
+    if cfg.train.batch_size % gpus:
+        raise ConfigError(f"--gpus {gpus}: train.batch_size={cfg.train.batch_size} is the global batch and must divide "
+                          f"by the number of GPUs; use --set train.batch_size={gpus * max(1, cfg.train.batch_size // gpus)}")
+
+
+def estimate_memory(cfg: Config, gpu_memory_gb: float | None = None, gpus: int = 1) -> dict:
     """{part: GiB} for this config (insertion order = table order), plus 'total' (the estimated peak)."""
-    p = build_plan(cfg, gpu_memory_gb)
+    p = build_plan(cfg, gpu_memory_gb, gpus=gpus)
     return {**p.parts, "total": p.total}
 
 
@@ -340,7 +363,7 @@ def header_gpu_memory(preset: str | None) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def _suggestions(cfg: Config, card: float, overrides: list[str]) -> list[str]:
+def _suggestions(cfg: Config, card: float, overrides: list[str], gpus: int = 1) -> list[str]:
     """Single changes that bring the estimate under the card, each with its new total."""
     from .config import get
 
@@ -353,7 +376,10 @@ def _suggestions(cfg: Config, card: float, overrides: list[str]) -> list[str]:
             return None
         if c is None:
             return None
-        p = build_plan(c, card)
+        try:
+            p = build_plan(c, card, gpus=gpus)
+        except ConfigError:
+            return None
         return None if p.problems else p.total
 
     def first_fit(key: str, values) -> None:
@@ -387,13 +413,19 @@ def _suggestions(cfg: Config, card: float, overrides: list[str]) -> list[str]:
 
 
 def format_plan(name: str, cfg: Config, plan: Plan, card: float | None, card_source: str,
-                overrides: list[str] | None = None) -> str:
+                overrides: list[str] | None = None, gpus: int = 1) -> str:
     where = "GPU" if plan.cuda else "RAM (CPU preset)"
+    if gpus > 1:
+        where = f"per-{'card' if plan.cuda else 'process'} ({gpus} data-parallel ranks) {where}"
     lines = [f"== {name}: {cfg.model.name} ({plan.shape.describe()}; shape from {plan.shape_source})",
              f"   {where} estimate; engine {plan.engine}; "
              f"{'4-bit NF4' if cfg.model.load_in_4bit else cfg.model.dtype + ' weights'}, dtype {cfg.model.dtype}, "
              f"{cfg.train.batch_size} prompts x {cfg.estimator.rollouts_per_prompt} rollout(s), "
              f"max_new_tokens {cfg.generation.max_new_tokens}, max_seq_length {cfg.model.max_seq_length}"]
+    if gpus > 1:
+        lines.append(f"   global batch {cfg.train.batch_size} prompts = {gpus} ranks x {cfg.train.batch_size // gpus} "
+                     f"prompts each (x {cfg.estimator.rollouts_per_prompt} rollout(s)); BASIS pools over all "
+                     f"{cfg.train.batch_size}; launch: torchrun --nproc_per_node {gpus} -m basis_lite train ...")
     width = max(len(k) for k in plan.parts) + 2
     lines.append(f"   {'part':<{width}}{'GiB':>8}")
     for k, v in plan.parts.items():
@@ -406,7 +438,7 @@ def format_plan(name: str, cfg: Config, plan: Plan, card: float | None, card_sou
         if head < 0:
             lines.append(f"   WARNING: {name} is estimated at {plan.total:.2f} GiB, more than the {card:g} GiB card. "
                          "Try one of:")
-            sugg = _suggestions(cfg, card, overrides or []) if cfg.preset else []
+            sugg = _suggestions(cfg, card, overrides or [], gpus) if cfg.preset else []
             lines += [f"     {s}" for s in sugg] or [
                 "     a smaller train.micro_batch_size, generation.max_new_tokens / model.max_seq_length, or "
                 "model.gpu_memory_utilization (vLLM), or a smaller model"]
@@ -425,10 +457,12 @@ PLAN_FOOTER = ("Estimates come from the model shape and the config (see basis_li
                "against a measured GPU peak (no GPU was available). bench/gpu_step.py measures one on a GPU.")
 
 
-def plan_for(preset: str | None = None, overrides: Sequence[str] = (), gpu_memory: float | None = None) -> str:
+def plan_for(preset: str | None = None, overrides: Sequence[str] = (), gpu_memory: float | None = None,
+             gpus: int = 1) -> str:
     """The memory plan of one preset (default: the default preset) with `overrides`, as printed by `basis-lite plan`.
 
-    The card size is `gpu_memory` (GiB) or else the preset header's `# gpu_memory_gb: N`.
+    The card size is `gpu_memory` (GiB) or else the preset header's `# gpu_memory_gb: N`; `gpus` > 1 gives one card
+    of a data-parallel run over that many.
     """
     overrides = list(overrides)
     if gpu_memory is not None and not (math.isfinite(gpu_memory) and gpu_memory > 0):
@@ -438,4 +472,4 @@ def plan_for(preset: str | None = None, overrides: Sequence[str] = (), gpu_memor
     card, source = gpu_memory, "--gpu-memory"
     if card is None:
         card, source = header_gpu_memory(label), "preset header"
-    return format_plan(label, cfg, build_plan(cfg, card), card, source, overrides)
+    return format_plan(label, cfg, build_plan(cfg, card, gpus=gpus), card, source, overrides, gpus)

@@ -34,15 +34,19 @@ log = logging.getLogger("basis_lite")
 PSEUDO_COUNT = 4.0  # chosen with bench/value_mse.py (its x:*_pc rows compare pseudo-counts; bench/results/value_mse.md)
 
 
-def prior_key(cfg, prompts: list[str], k: int) -> str:
-    blob = json.dumps({
+def prior_key(cfg, prompts: list[str], k: int, per_prompt: bool = False) -> str:
+    """The cache key; tables sampled from per-prompt streams get keys of their own."""
+    fields = {
         "model": cfg.model.name, "dtype": cfg.model.dtype, "4bit": cfg.model.load_in_4bit,
         "data": {k2: v for k2, v in vars(cfg.data).items()}, "prompts": hashlib.sha256(
             "\x00".join(prompts).encode()).hexdigest(),
         "gen": {"t": cfg.generation.temperature, "p": cfg.generation.top_p, "k": cfg.generation.top_k,
                 "max": cfg.generation.max_new_tokens},
         "reward": vars(cfg.reward), "K": k, "seed": cfg.train.seed, "v": 1,
-    }, sort_keys=True, default=str)
+    }
+    if per_prompt:
+        fields["rng"] = "per_prompt"
+    blob = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -51,9 +55,11 @@ def prior_cache_path(cache_root: Path, key: str) -> Path:
 
 
 def compute_prior_counts(engine, model, examples, prompts: list[str], scorer, params: SamplingParams, k: int,
-                         batch_size: int = 64, progress: bool = True, data_cfg=None) -> dict[str, int]:
+                         batch_size: int = 64, progress: bool = True, data_cfg=None,
+                         seeds: list[int] | None = None) -> dict[str, int]:
     """Successes out of k reference samples per example id (the adapter is disabled while sampling); `data_cfg`
-    names the data columns passed to user reward functions."""
+    names the data columns passed to user reward functions; `seeds`, one per prompt, sample each prompt from its
+    own stream."""
     from .rewards import example_columns
 
     counts: dict[str, int] = {}
@@ -64,6 +70,8 @@ def compute_prior_counts(engine, model, examples, prompts: list[str], scorer, pa
     with ctx, tqdm(total=len(prompts), desc=f"prior (K={k})", disable=not progress, unit="prompt") as bar:
         for i in range(0, len(prompts), per):
             chunk = prompts[i:i + per]
+            if seeds is not None:
+                p.seeds = seeds[i:i + per]
             rolls = engine.generate(chunk, p, with_features=False)
             exs = [ex for ex in examples[i:i + per] for _ in range(k)]
             cols = example_columns(examples[i:i + per], data_cfg, repeat=k) if data_cfg is not None else None
@@ -127,6 +135,48 @@ def _read_table(path: Path, key: str, ids: list[str], k: int) -> tuple[dict | No
     if not isinstance(table.get("mean"), (int, float)):
         return None, "no mean"
     return table, ""
+
+
+def load_or_compute_seeded_prior(cfg, cache_root: Path, engine, model, examples, prompts, scorer, params, k,
+                                 ranks, progress=True) -> dict:
+    """`load_or_compute_prior` with training prompt i sampled from the stream (train.seed, "prior", i), the prompts
+    split over the data-parallel `ranks` (basis_lite.distributed) and the counts gathered.
+
+    Rank 0 alone reads and writes the cache (a damaged file is moved aside and recomputed, the new one written
+    atomically); the others receive its counts, so ranks need no shared disk.
+    """
+    from .engines.seeded import stream_seed
+
+    key = prior_key(cfg, prompts, k, per_prompt=True)
+    path = prior_cache_path(cache_root, key)
+    table = None
+    if ranks.is_main and path.exists():
+        table, why = _read_table(path, key, [ex.id for ex in examples], k)
+        if table is None:
+            aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(path, aside)
+            log.warning("prior cache file %s is damaged (%s); moved it to %s and computing the prior again", path,
+                        why, aside.name)
+    t0 = time.time()
+    if ranks.broadcast_floats([1.0 if table is not None else 0.0])[0]:
+        sent = [float(table["counts"].get(ex.id, 0)) for ex in examples] if table is not None else [0.0] * len(examples)
+        counts_list = ranks.broadcast_floats(sent)
+        cached = True
+    else:
+        lo, hi = ranks.bounds(len(examples))
+        seeds = [stream_seed(cfg.train.seed, "prior", i) for i in range(lo, hi)]
+        mine = compute_prior_counts(engine, model, examples[lo:hi], prompts[lo:hi], scorer, params, k,
+                                    progress=progress, data_cfg=cfg.data, seeds=seeds)
+        counts_list = ranks.gather_ragged([float(mine[ex.id]) for ex in examples[lo:hi]], len(examples))
+        cached = False
+    counts = {ex.id: int(round(c)) for ex, c in zip(examples, counts_list)}
+    mean = sum(counts.values()) / max(1, k * len(counts))
+    table = {"k": k, "counts": counts, "mean": mean, "key": key, "seconds": 0.0 if cached else time.time() - t0}
+    if not cached and ranks.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(table))
+    table["cached"] = cached
+    return table
 
 
 def compute_prior(cfg, samples: int = 0, progress: bool = True) -> dict:

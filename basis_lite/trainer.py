@@ -29,9 +29,11 @@ import torch
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
+from . import distributed
 from .config import Config, save_config, to_dict, validate
 from .data import PromptSampler, format_prompt, load_examples
 from .engines.base import params_from_config
+from .engines.seeded import stream_seed
 from .errors import ConfigError, Interrupted, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
 from .estimators.base import explained_variance
@@ -39,7 +41,7 @@ from .evaluate import evaluate
 from .faults import maybe_kill
 from .metrics import MetricsLog
 from .models import cache_root, count_parameters, peak_memory_mb
-from .priors import load_or_compute_prior, prior_values
+from .priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
 from .rewards import RewardScorer, column_names, example_columns
 from .runtime import build_policy, seed_everything, setup_device
 from .safeio import RunLock, atomic_write_text, disk_full_error, held_by_other, is_disk_full, publish_dir
@@ -73,6 +75,8 @@ class RunState:
     bad_steps: int = 0  # non-finite steps in a row
     summary: dict = dataclasses.field(default_factory=dict)
     progress: bool = True
+    ranks: distributed.Ranks = dataclasses.field(default_factory=distributed.Ranks)  # data-parallel ranks (or one)
+    per_prompt_rng: bool = False  # rollouts from per-prompt streams (generation.rng)
 
     @property
     def uses_features(self) -> bool:
@@ -89,40 +93,57 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
     The run folder is locked for the whole call (a second writer gets ConfigError naming this process). A
     KeyboardInterrupt (Ctrl-C, or SIGTERM turned into `Interrupted` by the CLI) comes back as `Interrupted` with a
     message that names the folder, the checkpoint kept and the command that continues the run.
+
+    Under torchrun every rank runs this: each generates, scores and trains on its share of the global batch,
+    baselines pool over the whole of it (basis_lite.distributed), and rank 0 alone claims, locks and writes the run
+    folder, whose name it sends to the other ranks.
     """
     t_start = time.time()
     validate(cfg)  # a Config built or changed in code is checked like a loaded one, before anything is written
-    run_dir, created = claim_run_dir(cfg, run_dir, resume)
-    lock = RunLock(run_dir).acquire()
-    run = None
+    ranks = distributed.start(cfg)
+    run, lock, created = None, None, False
     try:
-        if resume and (done := finished_summary(run_dir, cfg)) is not None:
+        run_dir, created, lock, done = _claim_on_main(cfg, run_dir, resume, ranks)
+        if done is not None:
             log.info("%s finished all %d steps already; nothing to resume (summary.json, adapter/)", run_dir,
                      cfg.train.steps)
             return done
-        run = setup(cfg, run_dir, resume, progress)
+        run = setup(cfg, run_dir, resume, progress and ranks.is_main, ranks)
         created = False  # from here on the folder holds a run worth keeping
-        bar = tqdm(total=cfg.train.steps, initial=run.step, desc="train", disable=not progress, unit="step")
+        bar = tqdm(total=cfg.train.steps, initial=run.step, desc="train", disable=not run.progress, unit="step")
         for step in range(run.step + 1, cfg.train.steps + 1):
-            batch = next(run.sampler)
+            t_step = time.time()
+            batch = next(run.sampler)  # the global batch: the same on every rank
+            mine = ranks.shard(batch)
+            if run.per_prompt_rng:
+                ranks.seed_step(cfg.train.seed, step)
             t0 = time.time()
-            rollouts = rollout(run, batch)
+            rollouts = rollout(run, mine, step, first=ranks.bounds(len(batch))[0])
             gen_s = time.time() - t0
             maybe_kill("generation", step)
-            rewards, scored = score(run, batch, rollouts)
-            adv, base = baselines(run, batch, rollouts, rewards)
+            rewards, scored = score(run, mine, rollouts)
+            data = distributed.gather_step(ranks, rewards, rollouts, scored, cfg.estimator.rollouts_per_prompt,
+                                           run.uses_features, gen_s, peak_memory_mb(run.device),
+                                           run.scorer.warning_count)
+            adv, base = baselines(run, batch, rollouts, data.rewards, features=data.features)
             t1 = time.time()
-            stats, ok = update(run, rollouts, adv, step)
+            stats, ok = update(run, rollouts, ranks.shard(adv), step)
             train_s = time.time() - t1
-            rec = step_record(run, step, rollouts, rewards, scored, adv, base, stats, ok, gen_s, train_s)
+            rec = step_record(run, step, data, adv, base, stats, ok, data.generation_s, train_s)
+            if ranks.active:
+                rec.update({"ranks": ranks.world, "gather_wait_s": data.wait_s, "gather_s": data.gather_s,
+                            "gather_bytes": data.gather_bytes, "allreduce_s": ranks.last_allreduce_s,
+                            "allreduce_bytes": ranks.last_allreduce_bytes, "step_s": time.time() - t_step})
             run.metrics.step(rec)
             report_step(run, bar, rec)
             run.step = step
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
                 run.metrics.eval(step, run_eval(run, f"eval (step {step})"))
             if step % cfg.train.save_every == 0 or step == cfg.train.steps:
-                ckpt.save_checkpoint(run.run_dir, step, run.model, checkpoint_state(run), _config_text(run),
-                                     cfg.train.keep_last)
+                ranks.check_in_sync([p for p in run.model.parameters() if p.requires_grad], run.optimizer)
+                if ranks.is_main:
+                    ckpt.save_checkpoint(run.run_dir, step, run.model, checkpoint_state(run), _config_text(run),
+                                         cfg.train.keep_last)
         bar.close()
         return finish(run, t_start)
     except KeyboardInterrupt as e:
@@ -133,11 +154,41 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
             run.scorer.close()
         if created:  # nothing but the lock was written: leave no trace of a run that never started
             shutil.rmtree(run_dir, ignore_errors=True)
-        lock.release()
+        if lock is not None:
+            lock.release()
+        ranks.close()
+
+
+def _claim_on_main(cfg: Config, run_dir, resume: bool, ranks: distributed.Ranks):
+    """(run folder, created by this call, RunLock or None, finished summary or None), the same folder on every
+    rank: rank 0 claims and locks it (`claim_run_dir`, `RunLock`) and sends its name; a user error on rank 0 is
+    raised on every rank."""
+    msg: dict = {}
+    folder, created, lock = None, False, None
+    if ranks.is_main:
+        try:
+            folder, created = claim_run_dir(cfg, run_dir, resume)
+            lock = RunLock(folder).acquire()
+            done = finished_summary(folder, cfg) if resume else None
+            msg = {"dir": str(folder), "done": done is not None}
+        except ConfigError as e:
+            msg = {"error": str(e)}
+            if not ranks.active:
+                raise
+            ranks.broadcast_text(json.dumps(msg))
+            raise
+    msg = json.loads(ranks.broadcast_text(json.dumps(msg)))
+    if "error" in msg:
+        raise ConfigError(f"rank 0: {msg['error']}")
+    if ranks.is_main:
+        return folder, created, lock, done
+    return Path(msg["dir"]), False, None, ({"run_dir": msg["dir"]} if msg["done"] else None)
 
 
 def _interrupt_message(run_dir: Path, run, e) -> str:
     sig = getattr(e, "signal_name", "SIGINT")
+    if run_dir is None:
+        return f"stopped by {sig} before the run folder was chosen; nothing was written"
     where = f"during step {run.step + 1} of {run.cfg.train.steps}" if run is not None else "while setting up"
     last = ckpt.latest_checkpoint(run_dir, quiet=True)
     kept = (f"the checkpoint {last.name} is kept and the steps after it are redone" if last is not None else
@@ -205,21 +256,28 @@ def finished_summary(run_dir: Path, cfg: Config) -> dict | None:
 # setup
 
 
-def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> RunState:
+def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
+          ranks: distributed.Ranks | None = None) -> RunState:
     """Load data, model, engine, reward scorer, optimizer and prior; restore a checkpoint or run the first eval.
 
     `run_dir` is claimed and locked by `train`. Data loads first, so a bad dataset fails before minutes of model
     loading; config.yaml and metrics are written only once model, reward functions and optimizer loaded. A run
-    resumed before its first checkpoint starts again from step 0 with its saved config.
+    resumed before its first checkpoint starts again from step 0 with its saved config. With several `ranks`,
+    rank 0 alone writes into the folder and every rank starts from rank 0's adapter.
     """
+    ranks = ranks or distributed.Ranks()
+    ranks.watch(run_dir)
     device, dtype = setup_device(cfg)
+    device = ranks.device(device)
     train_ex, eval_ex = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
     last = ckpt.latest_checkpoint(run_dir) if resume else None
     if resume and last is None:
         log.info("%s has no intact checkpoint: starting it again from step 0 with its saved config", run_dir)
     seed_everything(cfg.train.seed)
-    model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(last / "adapter") if last else None,
-                                      training=True)
+    with ranks.main_first():  # a built-in model is converted into the cache once
+        model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(last / "adapter") if last else None,
+                                          training=True)
+    ranks.broadcast_params([p for p in model.parameters() if p.requires_grad])
     n_train, n_total = count_parameters(model)
     log.info("model %s on %s (%s): %.2fM trainable of %.1fM parameters", cfg.model.name, device, dtype,
              n_train / 1e6, n_total / 1e6)
@@ -233,17 +291,19 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> RunState:
         # without loss scaling
         scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12) if (
             device.type == "cuda" and dtype == torch.float16) else None
-        if not resume:
+        if ranks.is_main and not resume:
             save_config(cfg, run_dir / "config.yaml")
         run = RunState(
             cfg=cfg, run_dir=run_dir, device=device, model=model, tok=tok, engine=engine, scorer=scorer,
             optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer), scaler=scaler,
             sampler=PromptSampler(train_ex, cfg.train.batch_size, seed=cfg.train.seed),
-            metrics=MetricsLog(run_dir, cfg.train.report_to, config=to_dict(cfg),
-                               wandb_project=cfg.train.wandb_project),
+            metrics=(MetricsLog(run_dir, cfg.train.report_to, config=to_dict(cfg),
+                                wandb_project=cfg.train.wandb_project) if ranks.is_main
+                     else distributed.NullMetrics()),
             estimator=get_estimator(cfg.estimator.name),
             prompt_of={ex.id: format_prompt(tok, ex.question, cfg.data) for ex in train_ex},
-            eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress)
+            eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress, ranks=ranks,
+            per_prompt_rng=distributed.per_prompt_rng(cfg, ranks))
         if run.estimator.uses_prior and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
         if last is not None:
@@ -268,10 +328,13 @@ def load_prior(run: RunState, train_ex) -> None:
     """
     cfg = run.cfg
     rng_before = ckpt.rng_state()
-    run.prior_table = load_or_compute_prior(
-        cfg, cache_root(cfg.model.cache_dir), run.engine, run.model, train_ex,
-        [run.prompt_of[e.id] for e in train_ex], run.scorer, params_from_config(cfg.generation),
-        cfg.estimator.prior_samples, progress=run.progress)
+    args = (cfg, cache_root(cfg.model.cache_dir), run.engine, run.model, train_ex,
+            [run.prompt_of[e.id] for e in train_ex], run.scorer, params_from_config(cfg.generation),
+            cfg.estimator.prior_samples)
+    if run.per_prompt_rng:  # split over the ranks, each prompt sampled from its own stream
+        run.prior_table = load_or_compute_seeded_prior(*args, ranks=run.ranks, progress=run.progress)
+    else:
+        run.prior_table = load_or_compute_prior(*args, progress=run.progress)
     ckpt.set_rng_state(rng_before)
     run.summary["prior_seconds"] = run.prior_table.get("seconds", 0.0)
     run.summary["prior_cached"] = run.prior_table["cached"]
@@ -286,6 +349,14 @@ def restore(run: RunState, last: Path) -> None:
     if run.scaler is not None and state.get("scaler"):
         run.scaler.load_state_dict(state["scaler"])
     run.step, run.bad_steps = state["step"], state.get("bad_steps", 0)
+    was = state.get("rng_mode", "global")
+    if was != ("per_prompt" if run.per_prompt_rng else "global"):
+        log.warning("the checkpoint's rollouts came from %s sampling streams, this run uses %s ones "
+                    "(generation.rng): the resumed run will not repeat the interrupted one", was,
+                    "per_prompt" if run.per_prompt_rng else "global")
+    elif state.get("ranks", 1) != run.ranks.world:
+        log.info("resuming a %d-rank run on %d ranks (per-prompt streams: the same rollouts, up to float rounding)",
+                 state.get("ranks", 1), run.ranks.world)
     run.summary["eval_before"] = state.get("eval_before")
     ckpt.set_rng_state(state["rng"])
     run.metrics.resume(run.step)
@@ -297,7 +368,8 @@ def checkpoint_state(run: RunState) -> dict:
             "sampler": run.sampler.state_dict(), "rng": ckpt.rng_state(), "history": run.history,
             "bad_steps": run.bad_steps, "eval_before": run.summary.get("eval_before"),
             "scaler": run.scaler.state_dict() if run.scaler is not None else None,
-            "prior_key": run.prior_table["key"] if run.prior_table else None}
+            "prior_key": run.prior_table["key"] if run.prior_table else None,
+            "ranks": run.ranks.world, "rng_mode": "per_prompt" if run.per_prompt_rng else "global"}
 
 
 def _config_text(run: RunState) -> str:
@@ -308,12 +380,18 @@ def _config_text(run: RunState) -> str:
 # one step
 
 
-def rollout(run: RunState, batch) -> list:
-    """G completions per prompt from the engine, with the current adapter pushed to it first."""
+def rollout(run: RunState, batch, step: int = 0, first: int = 0) -> list:
+    """G completions per prompt from the engine, with the current adapter pushed to it first.
+
+    With per-prompt streams, prompt i of `batch` (index first + i in the step's global batch) samples from the
+    stream (train.seed, step, first + i), whichever rank generates it.
+    """
     prompts = [run.prompt_of[ex.id] for ex in batch]
     run.engine.sync(run.model)
     params = params_from_config(run.cfg.generation, n=run.cfg.estimator.rollouts_per_prompt)
     params.inject = bool(run.cfg.eapo.prior_adapter)  # EAPO: training rollouts only, never eval or the prior
+    if run.per_prompt_rng:
+        params.seeds = [stream_seed(run.cfg.train.seed, f"rollout/{step}", first + i) for i in range(len(batch))]
     return run.engine.generate(prompts, params, with_features=run.uses_features)
 
 
@@ -328,16 +406,18 @@ def score(run: RunState, batch, rollouts):
     return torch.tensor(scored.total, dtype=torch.float32).view(len(batch), G), scored
 
 
-def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor):
-    """(advantages [B, G], baselines [B, G]) from the configured estimator, with the side information it uses."""
+def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor, features: torch.Tensor | None = None):
+    """(advantages [B, G], baselines [B, G]) from the configured estimator, with the side information it uses.
+
+    `features` [B, D] replaces the rollouts' own (the training loop passes those of the global batch).
+    """
     est, G = run.cfg.estimator, run.cfg.estimator.rollouts_per_prompt
     ids = [ex.id for ex in batch]
     prior = None
     if run.estimator.uses_prior or run.uses_history:
         prior = prior_values(ids, run.prior_table, run.history if run.uses_history else None)
-    features = None
-    if run.uses_features and rollouts[0].feature is not None:
-        features = torch.stack([rollouts[i * G].feature for i in range(len(batch))])
+    if features is None:
+        features = distributed.local_features(rollouts, len(batch), G, run.uses_features)
     ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=features, history=run.history,
                            options=est.options, normalize=est.normalize)
     adv, base = run.estimator.compute(rewards, ctx)
@@ -358,8 +438,8 @@ def update(run: RunState, rollouts, adv: torch.Tensor, step: int):
     params = [p for p in run.model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     try:
-        stats, ok = policy_update(cfg, run.model, run.optimizer, rollouts, adv.view(-1), run.tok.pad_token_id,
-                                  run.device, step, run.scaler)
+        stats, ok = policy_update(cfg, run.model, run.optimizer, rollouts, adv.reshape(-1), run.tok.pad_token_id,
+                                  run.device, step, run.scaler, ranks=run.ranks if run.ranks.active else None)
     except torch.OutOfMemoryError:
         raise TrainingAborted(
             f"CUDA out of memory at step {step} with train.micro_batch_size={cfg.train.micro_batch_size}; "
@@ -385,20 +465,23 @@ def update(run: RunState, rollouts, adv: torch.Tensor, step: int):
     return stats, ok
 
 
-def step_record(run: RunState, step, rollouts, rewards, scored, adv, base, stats, ok, gen_s, train_s) -> dict:
-    """The metrics.jsonl line of one step."""
+def step_record(run: RunState, step, data: distributed.StepData, adv, base, stats, ok, gen_s, train_s) -> dict:
+    """The metrics.jsonl line of one step, over the global batch."""
+    rewards = data.rewards
     r_flat = rewards.view(-1)
-    comp_tokens = sum(len(r.completion_ids) for r in rollouts)
+    comp_tokens = sum(data.completion_lens)
     return {
-        "step": step, "reward_mean": r_flat.mean().item(), "accuracy": sum(scored.correct) / len(scored.correct),
-        "format_rate": sum(scored.format) / len(scored.format), "baseline_mean": base.mean().item(),
+        "step": step, "reward_mean": r_flat.mean().item(), "accuracy": sum(data.correct) / len(data.correct),
+        "format_rate": sum(data.format) / len(data.format), "baseline_mean": base.mean().item(),
         "advantage_std": adv.std().item() if adv.numel() > 1 else 0.0,
         "explained_variance": explained_variance(rewards, base), "kl": stats["kl"], "entropy": stats["entropy"],
-        "completion_len": comp_tokens / len(rollouts), "loss": stats["loss"], "grad_norm": stats["grad_norm"],
-        "clip_fraction": stats["clip_fraction"], "lr": run.optimizer.param_groups[0]["lr"],
-        "generation_s": gen_s, "training_s": train_s, "tokens_per_s": comp_tokens / max(1e-9, gen_s + train_s),
-        "peak_memory_mb": peak_memory_mb(run.device), "reward_warnings": run.scorer.warning_count,
-        "skipped": not ok, "trained_sequences": stats.get("trained_sequences"), "update_norm": stats["update_norm"],
+        "completion_len": comp_tokens / len(data.completion_lens), "loss": stats["loss"],
+        "grad_norm": stats["grad_norm"], "clip_fraction": stats["clip_fraction"],
+        "lr": run.optimizer.param_groups[0]["lr"], "generation_s": gen_s, "training_s": train_s,
+        "tokens_per_s": comp_tokens / max(1e-9, gen_s + train_s),
+        "peak_memory_mb": max(data.peak_memory_mb, peak_memory_mb(run.device)),
+        "reward_warnings": data.reward_warnings, "skipped": not ok,
+        "trained_sequences": stats.get("trained_sequences"), "update_norm": stats["update_norm"],
         "zero_update": stats["update_norm"] == 0.0,
         **{k: stats[k] for k in OPTIONAL_STEP_METRICS if k in stats},
     }
@@ -436,15 +519,17 @@ def report_step(run: RunState, bar, rec: dict) -> None:
 
 
 def run_eval(run: RunState, desc: str) -> dict | None:
-    """Greedy held-out accuracy; None when the eval split is empty (no accuracy to report, none is logged)."""
+    """Greedy held-out accuracy; None when the eval split is empty (no accuracy to report, none is logged). With
+    several ranks each evaluates its share and the counts are summed."""
     cfg = run.cfg
     if not run.eval_examples:
         log.info("%s: skipped, the eval split of %s is empty (data.eval_size=%d)", desc, cfg.data.dataset,
                  cfg.data.eval_size)
         return None
-    return evaluate(run.engine, run.tok, run.eval_examples, cfg.data, max_new_tokens=cfg.train.eval_max_new_tokens,
-                    require_boxed=cfg.reward.require_boxed, batch_size=cfg.train.eval_batch_size,
-                    progress=run.progress, desc=desc)
+    return distributed.evaluate_sharded(run.ranks, run.eval_examples, lambda examples: evaluate(
+        run.engine, run.tok, examples, cfg.data, max_new_tokens=cfg.train.eval_max_new_tokens,
+        require_boxed=cfg.reward.require_boxed, batch_size=cfg.train.eval_batch_size, progress=run.progress,
+        desc=desc))
 
 
 def finish(run: RunState, t_start: float) -> dict:
@@ -453,6 +538,13 @@ def finish(run: RunState, t_start: float) -> dict:
     run.summary["eval_after"] = run_eval(run, "eval (after)")
     run.metrics.eval(cfg.train.steps, run.summary["eval_after"], final=True)
     final = run.run_dir / "adapter"
+    reward_warnings = int(run.ranks.sum([float(run.scorer.warning_count)])[0])
+    if run.ranks.active:
+        run.summary["ranks"] = run.ranks.world
+    run.summary.update({"adapter": str(final), "steps": cfg.train.steps, "seconds": time.time() - t_start,
+                        "reward_warnings": reward_warnings})
+    if not run.ranks.is_main:  # rank 0 writes the adapter and the summary
+        return run.summary
     tmp = run.run_dir / ".tmp-adapter"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -466,7 +558,5 @@ def finish(run: RunState, t_start: float) -> dict:
                                   f"The checkpoint of step {cfg.train.steps} is intact: free some space, then "
                                   f"`basis-lite train --resume {run.run_dir}` writes the adapter") from e
         raise
-    run.summary.update({"adapter": str(final), "steps": cfg.train.steps, "seconds": time.time() - t_start,
-                        "reward_warnings": run.scorer.warning_count})
     atomic_write_text(run.run_dir / "summary.json", json.dumps(run.summary, indent=2, default=str))
     return run.summary

@@ -158,7 +158,7 @@ def behaviour_weights(cfg: Config, rollouts, eapo_w, old: torch.Tensor, mask: to
 
 
 def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
-                  step: int = 0, scaler=None):
+                  step: int = 0, scaler=None, ranks=None):
     """`train.ppo_epochs` optimizer steps on one batch of rollouts; each accumulates the token-level loss over the
     micro-batches, then clips and steps. Returns (stats, ok).
 
@@ -166,11 +166,15 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
     the full-batch gradient (batch 8 x accumulation 1 == 1 x 8). Rollouts whose advantage is exactly 0 add
     nothing to the policy loss and are skipped (their tokens still count in the divisor) unless a KL term needs
     them. Loss, KL, grad_norm and clip_fraction are means over the passes; entropy is the first pass's. A
-    non-finite pass stops the update (ok False); the passes before it have stepped.
+    non-finite pass stops the update (ok False); the passes before it have stepped. With `ranks` (data-parallel,
+    basis_lite.distributed) `rollouts` are this rank's share: the divisor is the token count of the global batch, and
+    each pass's gradients and statistics are summed over the ranks before clipping, so every rank takes the same steps.
     """
     t = cfg.train
     total_tokens = sum(max(0, min(len(r.prompt_ids) + len(r.completion_ids), cfg.model.max_seq_length)
                            - len(r.prompt_ids)) for r in rollouts)
+    if ranks is not None:
+        total_tokens = int(round(ranks.sum([float(total_tokens)])[0]))
     idx = [i for i in range(len(rollouts)) if t.kl_coef > 0 or advantages[i].item() != 0.0]
     # micro-batches of similar lengths: each is padded to its longest sequence, so sorting wastes fewer FLOPs
     idx.sort(key=lambda i: len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids))
@@ -184,9 +188,12 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
     first_pass: dict = {}  # micro-batch -> (old log-probs, weights) of the first pass, for the later ones
     model.train()
     ent_tokens = 0
-    ok, grad_norms, passes = True, [], 0
+    ok, grad_norms, passes, trained = True, [], 0, len(idx)
+    params = [p for p in model.parameters() if p.requires_grad]
     for epoch in range(t.ppo_epochs):
         ep = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+        if epoch == 0:
+            ep.update(entropy_sum=0.0, ent_tokens=0.0, trained=float(len(idx)))
         for k, mb in enumerate(mbs):
             input_ids, attn, cmask = pack_sequences([rollouts[i] for i in mb], cfg.model.max_seq_length, pad_id)
             input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
@@ -219,12 +226,17 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
             ep["loss"] += loss.item()
             ep["clip_fraction"] += float(ls["clip_fraction"]) * int(out.mask.sum()) / max(1, total_tokens)
             if out.entropy is not None:
-                stats["entropy_sum"] += float((out.entropy * out.mask).sum())
-                ent_tokens += int(out.mask.sum())
-        params = [p for p in model.parameters() if p.requires_grad]
-        if scaler is not None and idx:
+                ep["entropy_sum"] += float((out.entropy * out.mask).sum())
+                ep["ent_tokens"] += int(out.mask.sum())
+        if ranks is not None:
+            ranks.reduce_update(params, ep)  # gradients and this pass's statistics summed over the ranks
+        if epoch == 0:
+            stats["entropy_sum"], ent_tokens = ep.pop("entropy_sum"), int(round(ep.pop("ent_tokens")))
+            trained = int(round(ep.pop("trained")))  # over all ranks: every rank steps when any rank trained
+            stats["trained_sequences"] = trained
+        if scaler is not None and trained:
             scaler.unscale_(optimizer)  # clip the true gradients
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm) if idx else torch.tensor(0.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm) if trained else torch.tensor(0.0)
         grad_norms.append(float(grad_norm))
         passes += 1
         for key in ep:
@@ -232,7 +244,7 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
         # fp16: an overflow in the scaled gradients is the scaler's business (it skips the step and lowers its
         # scale), not a bad step; only a non-finite loss is
         ok = math.isfinite(ep["loss"]) and (scaler is not None or math.isfinite(grad_norms[-1]))
-        if ok and idx:
+        if ok and trained:
             maybe_kill("optimizer", step)
             if scaler is not None:
                 scaler.step(optimizer)
@@ -240,12 +252,16 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
             else:
                 optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if not ok or not idx:
+        if not ok or not trained:
             break
     for key in ("loss", "kl", "clip_fraction"):
         stats[key] /= passes
     stats["grad_norm"] = sum(grad_norms) / passes
     stats["entropy"] = stats.pop("entropy_sum") / max(1, ent_tokens) if ent_tokens else float("nan")
+    if ranks is not None and ranks.active:
+        summed = ranks.sum([acc["sum"], float(acc["n"]), float(acc["truncated"])])
+        acc.update(sum=summed[0], n=int(round(summed[1])), truncated=int(round(summed[2])),
+                   max=ranks.max([acc["max"]])[0])
     if acc["n"]:
         stats["engine_log_ratio_mean"] = acc["sum"] / acc["n"]
         stats["engine_log_ratio_max"] = acc["max"]

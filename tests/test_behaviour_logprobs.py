@@ -45,15 +45,21 @@ def _forward_logprobs(model, tok, rolls, temperature):
     return [lp[i, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.completion_ids)] for i, r in enumerate(rolls)]
 
 
-@pytest.mark.parametrize("temperature,top_k", [(0.7, 0), (1.3, 5), (0.0, 0)])
-def test_hf_logprobs_equal_a_separate_forward_at_the_sampling_temperature(policy, temperature, top_k):
+@pytest.mark.parametrize("temperature,top_k,per_prompt", [(0.7, 0, False), (1.3, 5, False), (0.0, 0, False),
+                                                          (0.7, 0, True), (1.3, 5, True)])
+def test_hf_logprobs_equal_a_separate_forward_at_the_sampling_temperature(policy, temperature, top_k, per_prompt):
     """The engine's log-prob of every completion token is log softmax(logits / T) of a separate forward pass over
     the whole sequence (T = 1 when greedy; top-k does not change it: the trainer scores the full distribution), to
-    fp32 rounding: KV-cached decoding runs matmuls of other shapes than the full forward."""
+    fp32 rounding: KV-cached decoding runs matmuls of other shapes than the full forward. Also with per-prompt
+    sampling streams (generation.rng=per_prompt, the default under torchrun), whose sampler turns the scores into
+    a one-hot row: the recorded log-probs must still be the model's."""
+    from basis_lite.engines.seeded import stream_seed
+
     _, model, tok = policy
     torch.manual_seed(0)
     eng = HFEngine(model, tok, batch_size=4)  # 6 sequences in chunks: left padding differs between calls
-    params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=10, n=2 if temperature else 1)
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=10, n=2 if temperature else 1,
+                            seeds=[stream_seed(0, "t", i) for i in range(len(PROMPTS))] if per_prompt else None)
     rolls = eng.generate(PROMPTS, params)
     scale = temperature or 1.0
     want = _forward_logprobs(model, tok, rolls, scale)

@@ -27,6 +27,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     n: int = 1  # samples per prompt
     inject: bool = False  # EAPO: let the engine sample critical tokens from the prior adapter (training rollouts only)
+    seeds: list[int] | None = None  # one per prompt: sample it from its own stream (engines/seeded.py); None: global RNG
 
 
 @dataclass

@@ -14,14 +14,18 @@ quantity the trainer's chunked log-prob computes (T = 1 when greedy). It equals 
 rounding: KV-cached decoding multiplies matrices of other shapes than one forward over the whole sequence.
 
 With `params.inject` and an EAPO prior adapter (`eapo.py`), sampling runs `eapo.generate_with_injection` instead of
-generate(): the same rollouts, with the prior's tokens at critical decision points.
+generate(): the same rollouts, with the prior's tokens at critical decision points. That loop samples from torch's
+global RNG, also when `params.seeds` asks for per-prompt streams.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ..models import decoder_layers, inference_mode
 from .base import Rollout, SamplingParams, stop_token_ids
+from .seeded import seeded_logits_processor
 
 
 class SampledLogprobs:
@@ -84,7 +88,9 @@ class HFEngine:
         per_call = max(1, self.batch_size // max(1, params.n))
         out: list[Rollout] = []
         for start in range(0, len(prompts), per_call):
-            out.extend(self._generate_chunk(prompts[start:start + per_call], params, with_features))
+            chunk = params if params.seeds is None else dataclasses.replace(
+                params, seeds=params.seeds[start:start + per_call])
+            out.extend(self._generate_chunk(prompts[start:start + per_call], chunk, with_features))
         return out
 
     def _generate_chunk(self, prompts: list[str], params: SamplingParams, with_features: bool) -> list[Rollout]:
@@ -112,6 +118,10 @@ class HFEngine:
             # top_k=0 disables top-k explicitly: None would fall back to the model's generation_config (often
             # top_k=50), sampling from a truncated distribution the loss does not know about
             gen_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+            if params.seeds is not None:  # per-prompt streams: the processor picks the token, multinomial keeps it;
+                # `record` runs first and still sees the model's logits
+                gen_kwargs["logits_processor"] = [record, *seeded_logits_processor(
+                    params.seeds, params.n, params.temperature, params.top_p, params.top_k)]
         else:
             gen_kwargs.update(temperature=None, top_p=None, top_k=None)
         try:

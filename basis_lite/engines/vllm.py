@@ -245,11 +245,16 @@ class _VLLMEngineBase:
 
     def _sampling_params(self, params: SamplingParams, n_prompts: int) -> list:
         """One vllm.SamplingParams per prompt. Seeds come from torch's global RNG (checkpointed by the trainer, so
-        a resumed run draws the same ones); prompt i gets seed s + i*n and vLLM gives its k-th sample seed + k."""
+        a resumed run draws the same ones): prompt i gets seed s + i*n and vLLM gives its k-th sample seed + k. With
+        per-prompt streams (`params.seeds`) prompt i gets its own seed, folded below 2**31 - n."""
         from vllm import SamplingParams as VSP
 
         greedy = params.temperature <= 0
-        base_seed = int(torch.randint(0, 2**31 - 1 - n_prompts * params.n, (1,)).item())
+        if params.seeds is not None:
+            seeds = [s % (2**31 - 1 - params.n) for s in params.seeds]
+        else:
+            base_seed = int(torch.randint(0, 2**31 - 1 - n_prompts * params.n, (1,)).item())
+            seeds = [base_seed + i * params.n for i in range(n_prompts)]
         out = []
         for i in range(n_prompts):
             kw = dict(n=params.n, max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
@@ -257,7 +262,7 @@ class _VLLMEngineBase:
                       top_k=-1 if greedy or not params.top_k else params.top_k, stop_token_ids=self.stop_ids,
                       logprobs=0)  # the sampled token's log-prob only
             if not greedy:
-                kw["seed"] = base_seed + i * params.n
+                kw["seed"] = seeds[i]
             out.append(VSP(**kw))
         return out
 
