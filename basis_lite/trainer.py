@@ -11,8 +11,8 @@
     finish(run)                                           final eval, adapter, summary.json
 
 The estimator is looked up by name in `basis_lite.estimators`; this file never branches on which one it is, only
-on what it says it uses (prompt features, an offline prior, the per-prompt history). Errors a user can fix surface
-as the exceptions of `basis_lite.errors`.
+on what it says it uses (prompt features, trajectory features, an offline prior, the per-prompt history, a replay
+buffer of earlier steps). Errors a user can fix surface as the exceptions of `basis_lite.errors`.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from .engines.base import params_from_config
 from .errors import ConfigError, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
 from .estimators.base import explained_variance
+from .estimators.probe import ReplayBuffer
 from .evaluate import evaluate
 from .faults import maybe_kill
 from .metrics import MetricsLog
@@ -66,6 +67,7 @@ class RunState:
     eval_examples: list
     prior_table: dict | None = None
     history: dict = dataclasses.field(default_factory=dict)  # example id -> [successes, rollouts] of earlier steps
+    replay: ReplayBuffer | None = None  # earlier steps' rollouts, for estimators that keep a buffer
     step: int = 0  # last completed step
     bad_steps: int = 0  # non-finite steps in a row
     summary: dict = dataclasses.field(default_factory=dict)
@@ -78,6 +80,10 @@ class RunState:
     @property
     def uses_history(self) -> bool:
         return self.estimator.uses_history and self.cfg.estimator.history
+
+    @property
+    def uses_trajectory(self) -> bool:
+        return self.estimator.uses_trajectory
 
 
 def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, progress: bool = True) -> dict:
@@ -93,7 +99,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
             gen_s = time.time() - t0
             maybe_kill("generation", step)
             rewards, scored = score(run, batch, rollouts)
-            adv, base = baselines(run, batch, rollouts, rewards)
+            adv, base = baselines(run, batch, rollouts, rewards, step)
             t1 = time.time()
             stats, ok = update(run, rollouts, adv, step)
             train_s = time.time() - t1
@@ -160,6 +166,8 @@ def setup(cfg: Config, run_dir: str | Path | None, resume: bool, progress: bool)
             estimator=get_estimator(cfg.estimator.name),
             prompt_of={ex.id: format_prompt(tok, ex.question, cfg.data) for ex in train_ex},
             eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress)
+        if run.estimator.replay_capacity is not None:
+            run.replay = ReplayBuffer(run.estimator.replay_capacity(cfg.estimator.options))
         if run.estimator.uses_prior and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
         if last is not None:
@@ -199,6 +207,8 @@ def restore(run: RunState, last: Path) -> None:
     run.scheduler.load_state_dict(state["scheduler"])
     run.sampler.load_state_dict(state["sampler"])
     run.history = state.get("history", {})
+    if run.replay is not None and state.get("replay") is not None:
+        run.replay.load_state_dict(state["replay"])
     if run.scaler is not None and state.get("scaler"):
         run.scaler.load_state_dict(state["scaler"])
     run.step, run.bad_steps = state["step"], state.get("bad_steps", 0)
@@ -213,7 +223,8 @@ def checkpoint_state(run: RunState) -> dict:
             "sampler": run.sampler.state_dict(), "rng": ckpt.rng_state(), "history": run.history,
             "bad_steps": run.bad_steps, "eval_before": run.summary.get("eval_before"),
             "scaler": run.scaler.state_dict() if run.scaler is not None else None,
-            "prior_key": run.prior_table["key"] if run.prior_table else None}
+            "prior_key": run.prior_table["key"] if run.prior_table else None,
+            "replay": run.replay.state_dict() if run.replay is not None else None}
 
 
 def _config_text(run: RunState) -> str:
@@ -229,6 +240,9 @@ def rollout(run: RunState, batch) -> list:
     prompts = [run.prompt_of[ex.id] for ex in batch]
     run.engine.sync(run.model)
     params = params_from_config(run.cfg.generation, n=run.cfg.estimator.rollouts_per_prompt)
+    if run.uses_trajectory:
+        run.engine.trajectory_seconds = 0.0  # this step's share, for the metrics line
+        return run.engine.generate(prompts, params, with_features=run.uses_features, with_trajectory=True)
     return run.engine.generate(prompts, params, with_features=run.uses_features)
 
 
@@ -241,8 +255,10 @@ def score(run: RunState, batch, rollouts):
     return torch.tensor(scored.total, dtype=torch.float32).view(len(batch), G), scored
 
 
-def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor):
-    """(advantages [B, G], baselines [B, G]) from the configured estimator, with the side information it uses."""
+def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor, step: int = 0):
+    """(advantages [B, G], baselines [B, G]) from the configured estimator, with the side information it uses.
+
+    The per-prompt history and the replay buffer get this batch only after the baselines are computed."""
     est, G = run.cfg.estimator, run.cfg.estimator.rollouts_per_prompt
     ids = [ex.id for ex in batch]
     prior = None
@@ -251,14 +267,20 @@ def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor):
     features = None
     if run.uses_features and rollouts[0].feature is not None:
         features = torch.stack([rollouts[i * G].feature for i in range(len(batch))])
+    trajectory = None
+    if run.uses_trajectory and rollouts[0].trajectory is not None:
+        trajectory = torch.stack([r.trajectory for r in rollouts]).view(len(batch), G, -1)
     ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=features, history=run.history,
-                           options=est.options, normalize=est.normalize)
+                           trajectory_features=trajectory, replay=run.replay, options=est.options,
+                           normalize=est.normalize)
     adv, base = run.estimator.compute(rewards, ctx)
     if run.uses_history:  # after the baselines: a prompt's history never holds its current reward
         for ex, row in zip(batch, rewards):
             h = run.history.setdefault(ex.id, [0, 0])
             h[0] += int(round(float(row.sum())))
             h[1] += G
+    if run.replay is not None:
+        run.replay.add(step, ids, rewards, features, trajectory)
     return adv, base
 
 
@@ -303,6 +325,8 @@ def step_record(run: RunState, step, rollouts, rewards, scored, adv, base, stats
         "generation_s": gen_s, "training_s": train_s, "tokens_per_s": comp_tokens / max(1e-9, gen_s + train_s),
         "peak_memory_mb": peak_memory_mb(run.device), "reward_warnings": run.scorer.warning_count,
         "skipped": not ok,
+        **({"trajectory_feature_s": getattr(run.engine, "trajectory_seconds", 0.0)} if run.uses_trajectory else {}),
+        **({"replay_rows": run.replay.rows} if run.replay is not None else {}),
     }
 
 

@@ -5,6 +5,8 @@
 
 A Rollout carries token ids (the trainer re-scores them with the training model; engines do not return their own
 log-probs yet) and, where the engine can give it for free, a prompt feature vector for BASIS similarity pooling.
+With ``with_trajectory=True`` it also carries a trajectory feature (engines/trajectory.py: a middle-layer state of
+the completion and token-entropy statistics) for value probes such as POISE; engines compute it only when asked.
 Implementations: `engines.hf.HFEngine` (the training model's generate) and `engines.vllm` (Unsloth's in-process
 vLLM, or plain vLLM with the adapter sent as a LoRARequest).
 """
@@ -33,6 +35,7 @@ class Rollout:
     text: str  # decoded completion without special tokens
     finished: bool  # stopped at EOS (False: cut at max_new_tokens)
     feature: torch.Tensor | None = field(default=None, repr=False)  # [D] prompt feature (BASIS similarity)
+    trajectory: torch.Tensor | None = field(default=None, repr=False)  # [H + N_STATS] (engines/trajectory.py)
 
 
 @runtime_checkable
@@ -42,8 +45,10 @@ class Engine(Protocol):
     def sync(self, model=None) -> None:
         """Make the next generate() use the model's current adapter weights."""
 
-    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True) -> list[Rollout]:
-        """params.n completions per prompt, prompt-major; Rollout.feature set when with_features and available."""
+    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True,
+                 with_trajectory: bool = False) -> list[Rollout]:
+        """params.n completions per prompt, prompt-major; Rollout.feature set when with_features and available,
+        Rollout.trajectory when with_trajectory (callers pass it only when they need it)."""
 
 
 def params_from_config(gen_cfg, n: int = 1, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:

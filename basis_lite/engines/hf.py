@@ -7,6 +7,10 @@ checkpointing, and turns the cache off, in train mode).
 Prompt features for BASIS similarity pooling come from the prefill that generate() runs anyway: a forward hook on
 a middle decoder layer captures its output for the prompt tokens (left padded, so the last positions are the real
 last tokens) and keeps the mean of the last `feature_tokens` positions. No extra model call.
+
+Trajectory features (``with_trajectory=True``, for value probes) come from the same generate() call:
+``engines.trajectory.TrajectoryCapture`` hooks the feature layer at every decoding step and reads each step's
+scores through a logits processor that returns them unchanged. Without it neither is installed.
 """
 from __future__ import annotations
 
@@ -14,19 +18,22 @@ import torch
 
 from ..models import decoder_layers, inference_mode
 from .base import Rollout, SamplingParams, stop_token_ids
+from .trajectory import TrajectoryCapture
 
 
 class HFEngine:
     name = "hf"
 
     def __init__(self, model, tokenizer, batch_size: int = 64, max_prompt_tokens: int = 448,
-                 feature_layer: int | None = None, feature_tokens: int = 4):
+                 feature_layer: int | None = None, feature_tokens: int = 4, trajectory_tokens: int = 4):
         self.model, self.tok = model, tokenizer
         self.batch_size = batch_size
         self.max_prompt_tokens = max_prompt_tokens
         layers = decoder_layers(model)
         self.feature_layer = len(layers) // 2 if feature_layer is None else feature_layer
         self.feature_tokens = feature_tokens
+        self.trajectory_tokens = trajectory_tokens
+        self.trajectory_seconds = 0.0  # time spent in the trajectory capture, summed over generate() calls
         self._layers = layers
         self.stop_ids = sorted(stop_token_ids(tokenizer, model))
 
@@ -41,15 +48,17 @@ class HFEngine:
         return self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                         truncation=True, max_length=self.max_prompt_tokens)
 
-    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True) -> list[Rollout]:
+    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True,
+                 with_trajectory: bool = False) -> list[Rollout]:
         """n = params.n samples per prompt, prompt-major; generate() is called on chunks of batch_size sequences."""
         per_call = max(1, self.batch_size // max(1, params.n))
         out: list[Rollout] = []
         for start in range(0, len(prompts), per_call):
-            out.extend(self._generate_chunk(prompts[start:start + per_call], params, with_features))
+            out.extend(self._generate_chunk(prompts[start:start + per_call], params, with_features, with_trajectory))
         return out
 
-    def _generate_chunk(self, prompts: list[str], params: SamplingParams, with_features: bool) -> list[Rollout]:
+    def _generate_chunk(self, prompts: list[str], params: SamplingParams, with_features: bool,
+                        with_trajectory: bool = False) -> list[Rollout]:
         model, tok = self.model, self.tok
         device = next(model.parameters()).device
         enc = self._encode(prompts)
@@ -63,6 +72,7 @@ class HFEngine:
                 captured.append(h[:, -self.feature_tokens:, :].float().mean(dim=1).cpu())
 
         handle = self._layers[self.feature_layer].register_forward_hook(hook) if with_features else None
+        capture = None
         greedy = params.temperature <= 0
         gen_kwargs = dict(max_new_tokens=params.max_new_tokens, do_sample=not greedy, pad_token_id=tok.pad_token_id,
                           eos_token_id=self.stop_ids, use_cache=True,
@@ -73,12 +83,21 @@ class HFEngine:
             gen_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         else:
             gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+        if with_trajectory:
+            from transformers import LogitsProcessorList
+
+            capture = TrajectoryCapture(input_ids.shape[1], params.max_new_tokens, self.stop_ids, params.temperature,
+                                        self.trajectory_tokens)
+            gen_kwargs["logits_processor"] = LogitsProcessorList([capture])
+            capture.attach(self._layers[self.feature_layer])
         try:
             with inference_mode(model):
                 seqs = model.generate(input_ids=input_ids, attention_mask=attn, **gen_kwargs)
         finally:
             if handle is not None:
                 handle.remove()
+            if capture is not None:
+                capture.detach()
         # generate() expands the batch to P*n rows BEFORE the prefill, so the hook saw one row per sequence
         feats = captured[0] if captured else None
         prompt_len = input_ids.shape[1]
@@ -94,4 +113,13 @@ class HFEngine:
             text = tok.decode(comp, skip_special_tokens=True)
             rollouts.append(Rollout(prompt=prompts[p], prompt_ids=p_ids, completion_ids=comp, text=text,
                                     finished=finished, feature=None if feats is None else feats[row]))
+        if capture is not None:
+            import time
+
+            t0 = time.perf_counter()
+            capture.finish(seqs)
+            trajs = capture.features([r.completion_ids for r in rollouts], [r.finished for r in rollouts], tok)
+            for r, t in zip(rollouts, trajs):
+                r.trajectory = t
+            self.trajectory_seconds += capture.seconds + time.perf_counter() - t0
         return rollouts
