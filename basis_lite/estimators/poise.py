@@ -41,7 +41,7 @@ from .probe_options import poise_options, split_basis_probe
 
 def _clip_range(buf) -> tuple[float, float]:
     """[0, 1], widened to the buffer's rewards (rewards outside [0, 1], e.g. a format bonus)."""
-    if buf.rows == 0:
+    if buf is None or buf.rows == 0:
         return 0.0, 1.0
     return min(0.0, float(buf.reward.min())), max(1.0, float(buf.reward.max()))
 
@@ -71,11 +71,16 @@ def fit_poise_probe(buf, o):
 
 def poise(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     """The registered estimator (see the module docstring): (advantages [B, G], baselines [B, G])."""
-    B, G = rewards.shape
     o = poise_options(ctx.options)
     buf = getattr(ctx, "replay", None)
+    return poise_with_probe(rewards, ctx, fit_poise_probe(buf, o), o)
+
+
+def poise_with_probe(rewards: Tensor, ctx, probe, o) -> tuple[Tensor, Tensor]:
+    """``poise`` with its probe given (fitted on ``ctx.replay`` by ``fit_poise_probe``; None: not warm)."""
+    B, G = rewards.shape
+    buf = getattr(ctx, "replay", None)
     rloo = leave_one_out_mean(rewards, dim=1, empty=0.0)
-    probe = fit_poise_probe(buf, o)
     traj = _batch_trajectory(ctx, B, G)
     feats = None if ctx.features is None else as_float_tensor(ctx.features, "features")
     if probe is None or G < 2:
@@ -125,11 +130,16 @@ def probe_prior(probe, features: Tensor, ids: list, history: dict | None, po, cl
 
 def basis_probe(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     """The registered estimator: BASIS with the online prompt probe as its prior (see the module docstring)."""
+    po, _ = split_basis_probe(ctx.options)
+    probe = fit_prompt_probe(getattr(ctx, "replay", None), po) if ctx.features is not None else None
+    return basis_probe_with_probe(rewards, ctx, probe)
+
+
+def basis_probe_with_probe(rewards: Tensor, ctx, probe) -> tuple[Tensor, Tensor]:
+    """``basis_probe`` with its probe given (fitted on ``ctx.replay`` by ``fit_prompt_probe``; None: not warm)."""
     po, basis_opts = split_basis_probe(ctx.options)
-    buf = getattr(ctx, "replay", None)
     prior = None
-    if ctx.features is not None:
-        probe = fit_prompt_probe(buf, po)
-        if probe is not None:
-            prior = probe_prior(probe, ctx.features, list(ctx.prompt_ids), ctx.history, po, _clip_range(buf))
+    if probe is not None and ctx.features is not None:
+        prior = probe_prior(probe, ctx.features, list(ctx.prompt_ids), ctx.history, po,
+                            _clip_range(getattr(ctx, "replay", None)))
     return basis(rewards, dataclasses.replace(ctx, prior=prior, options=basis_opts))
