@@ -127,7 +127,7 @@ class TrajectoryCapture:
             self.logprob.append(self._prev_logp.gather(1, last[:, None])[:, 0].float())
             self.done |= torch.isin(last, self.stop_ids)
         logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        ent = -(logp.exp() * logp).nan_to_num(0.0).sum(-1)
+        ent = -(logp.exp() * logp).nansum(-1)  # a token with probability 0 adds nothing
         self.entropy.append(ent)  # stays on the device: no sync per step
         self._prev_logp = logp
         if j < self.max_new_tokens:  # masked writes, no host sync: stopped rows keep what they hold
