@@ -7,7 +7,7 @@ each, their ratio, and the time the capture itself measured (hook + logits proce
 ``completion_hidden_states`` (what the vLLM engine runs after vLLM's generate) is timed on the same rollouts.
 
     python bench/feature_cost.py                       # default preset, 32 prompts, 3 repeats -> feature_cost.{json,md}
-    python bench/feature_cost.py --preset smoke --prompts 8 --repeats 1 --out /tmp/fc   # plumbing check, seconds
+    python bench/feature_cost.py --preset smoke --prompts 8 --repeats 1 --out runs/fc   # plumbing check, seconds
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ what it finished (it is not resumed; rerun it from the start).
 
     python bench/record_trajectories.py                                   # the default run, P=128, K=8, 5 steps
     python bench/record_trajectories.py --preset smoke --steps 3 --record-steps 2 3 --probe-prompts 8 --samples 4 \\
-        --out /tmp/traj_smoke.npz --set reward.functions=[tests.reward_fns:char_sum_reward] --set reward.timeout_s=0
+        --out runs/traj_smoke.npz --set reward.functions=[tests.reward_fns:char_sum_reward] --set reward.timeout_s=0
         # plumbing check on the tiny random model, under a minute
 
 Cost on 2 CPU cores (default settings, estimated from the default run's step times): the default run (about 13 min)
