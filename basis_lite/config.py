@@ -354,7 +354,7 @@ HELP: dict[str, str] = {
     "reward.function_weights": "one weight per function (default 1.0 each)",
     "reward.timeout_s": "per-batch limit of one reward function; past it the worker is restarted and the batch "
                         "scores 0 (0 = run them in the trainer process, no limit)",
-    "estimator.name": "advantage estimator: basis | reinforce_pp | grpo | dr_grpo | rloo",
+    "estimator.name": "advantage estimator: basis | reinforce_pp | grpo | dr_grpo | rloo | basis_probe | poise",
     "estimator.rollouts_per_prompt": "G, completions per prompt (TRL: num_generations); grpo, dr_grpo and rloo "
                                      "need G >= 2",
     "estimator.prior_samples": "basis: K reference rollouts per training prompt before training for the offline "
@@ -684,6 +684,9 @@ def validate(cfg: Config) -> None:
                               "without Unsloth), not unsloth; or set eapo.prior_adapter=''")
         if cfg.generation.temperature <= 0:
             raise ConfigError("eapo.prior_adapter: experience injection samples; generation.temperature must be > 0")
+        if get_estimator(e.name).uses_trajectory:
+            raise ConfigError(f"eapo.prior_adapter: experience injection does not capture trajectory features, which "
+                              f"estimator.name={e.name} needs; use another estimator or set eapo.prior_adapter=''")
     bad = [x for x in t.report_to if x not in ("tensorboard", "wandb")]
     if bad:
         raise ConfigError(f"train.report_to: {bad} not accepted; choose from tensorboard, wandb")

@@ -142,6 +142,7 @@ class StepData:
 
     rewards: torch.Tensor  # [B, G] float32
     features: torch.Tensor | None  # [B, D] float32
+    trajectory: torch.Tensor | None  # [B, G, D'] float32 per-rollout trajectory features (engines/trajectory.py)
     correct: list  # B * G
     format: list  # B * G
     completion_lens: list  # B * G token counts
@@ -160,39 +161,56 @@ def local_features(rollouts, batch_len: int, G: int, uses_features: bool) -> tor
     return torch.stack([rollouts[i * G].feature for i in range(batch_len)])
 
 
+def local_trajectory(rollouts, batch_len: int, G: int, uses_trajectory: bool) -> torch.Tensor | None:
+    """[B, G, D'] trajectory features of one rank's rollouts, or None."""
+    if not uses_trajectory or not rollouts or rollouts[0].trajectory is None:
+        return None
+    return torch.stack([r.trajectory.float().cpu() for r in rollouts]).view(batch_len, G, -1)
+
+
 def gather_step(ranks: Ranks, rewards: torch.Tensor, rollouts, scored, G: int, uses_features: bool,
-                generation_s: float, peak_memory_mb: float, reward_warnings: int) -> StepData:
+                generation_s: float, peak_memory_mb: float, reward_warnings: int,
+                uses_trajectory: bool = False) -> StepData:
     """One rank's step quantities -> the global batch's (one all-gather; one process: no communication)."""
     b = rewards.shape[0]
     feats = local_features(rollouts, b, G, uses_features)
+    traj = local_trajectory(rollouts, b, G, uses_trajectory)
     lens = [len(r.completion_ids) for r in rollouts]
     if not ranks.active:
-        return StepData(rewards, feats, list(scored.correct), list(scored.format), lens, reward_warnings,
+        return StepData(rewards, feats, traj, list(scored.correct), list(scored.format), lens, reward_warnings,
                         generation_s, peak_memory_mb)
     d = 0 if feats is None else feats.shape[1]
-    head = torch.tensor([float(d), generation_s, peak_memory_mb, float(reward_warnings)], dtype=torch.float64)
+    dt = 0 if traj is None else traj.shape[2]
+    head = torch.tensor([float(d), generation_s, peak_memory_mb, float(reward_warnings), float(dt)],
+                        dtype=torch.float64)
     parts = [head, rewards.reshape(-1).double().cpu(), torch.tensor(scored.correct, dtype=torch.float64),
              torch.tensor(scored.format, dtype=torch.float64), torch.tensor(lens, dtype=torch.float64)]
     if feats is not None:
         parts.append(feats.reshape(-1).double().cpu())
+    if traj is not None:
+        parts.append(traj.reshape(-1).double())
     packed = torch.cat(parts)
     t0 = time.time()
     ranks.sum([0.0])  # waits for the slowest rank, so gather_s below is the transfer alone
     t1 = time.time()
     rows = ranks.gather_rows(packed[None, :])  # [world, L]
     t2 = time.time()
-    heads = rows[:, :4]
-    if bool((heads[:, 0] != heads[0, 0]).any()):
-        raise TrainingAborted(f"ranks disagree on the prompt feature size ({heads[:, 0].tolist()}); every rank must "
-                              "run the same engine and model")
+    heads = rows[:, :5]
+    for col, what in ((0, "prompt feature"), (4, "trajectory feature")):
+        if bool((heads[:, col] != heads[0, col]).any()):
+            raise TrainingAborted(f"ranks disagree on the {what} size ({heads[:, col].tolist()}); every rank must "
+                                  "run the same engine and model")
     n = b * G
-    cols = [4, 4 + n, 4 + 2 * n, 4 + 3 * n, 4 + 4 * n]
+    cols = [5, 5 + n, 5 + 2 * n, 5 + 3 * n, 5 + 4 * n]
     rewards_g = rows[:, cols[0]:cols[1]].reshape(-1, G).float()
-    features_g = None
+    features_g = trajectory_g = None
     if d:
         features_g = rows[:, cols[4]:cols[4] + b * d].reshape(-1, d).float()
+    if dt:
+        start = cols[4] + b * d
+        trajectory_g = rows[:, start:start + n * dt].reshape(-1, G, dt).float()
     return StepData(
-        rewards=rewards_g, features=features_g,
+        rewards=rewards_g, features=features_g, trajectory=trajectory_g,
         correct=[float(x) for x in rows[:, cols[1]:cols[2]].reshape(-1).tolist()],
         format=[float(x) for x in rows[:, cols[2]:cols[3]].reshape(-1).tolist()],
         completion_lens=[int(x) for x in rows[:, cols[3]:cols[4]].reshape(-1).tolist()],

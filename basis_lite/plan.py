@@ -265,9 +265,12 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
     if not use_vllm:
         per_call = max(1, g.batch_size // max(1, e.rollouts_per_prompt)) * e.rollouts_per_prompt
         per_call = min(per_call, seqs)
-        kv = per_call * T * kv_tok
-        logits = per_call * shape.vocab * 4 * 2  # last-position logits + the sampling copy
+        rows = per_call * (2 if cfg.eapo.prior_adapter else 1)  # EAPO decodes policy and prior rows together
+        kv = rows * T * kv_tok
+        logits = rows * shape.vocab * 4 * 2  # last-position logits + the sampling copy
         label = f"generation: HF KV cache ({per_call} sequences x {T} tokens)"
+        if rows != per_call:
+            label = f"generation: HF KV cache ({per_call} sequences x 2 rows for EAPO x {T} tokens)"
         parts[label] = (kv + logits) / GIB
         gen_phase = parts[label]
         engine = "hf (the training model's generate(); KV cache freed before the update)"

@@ -11,8 +11,8 @@
     finish(run)                                           final eval, adapter, summary.json
 
 The estimator is looked up by name in `basis_lite.estimators`; this file never branches on which one it is, only
-on what it says it uses (prompt features, an offline prior, the per-prompt history). Errors a user can fix surface
-as the exceptions of `basis_lite.errors`.
+on what it says it uses (prompt features, trajectory features, an offline prior, the per-prompt history, a replay
+buffer of earlier steps). Errors a user can fix surface as the exceptions of `basis_lite.errors`.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from .engines.seeded import stream_seed
 from .errors import ConfigError, Interrupted, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
 from .estimators.base import explained_variance
+from .estimators.probe import ReplayBuffer
 from .evaluate import evaluate
 from .faults import maybe_kill
 from .metrics import MetricsLog
@@ -71,6 +72,7 @@ class RunState:
     eval_examples: list
     prior_table: dict | None = None
     history: dict = dataclasses.field(default_factory=dict)  # example id -> [successes, rollouts] of earlier steps
+    replay: ReplayBuffer | None = None  # earlier steps' rollouts, for estimators that keep a buffer
     step: int = 0  # last completed step
     bad_steps: int = 0  # non-finite steps in a row
     summary: dict = dataclasses.field(default_factory=dict)
@@ -85,6 +87,10 @@ class RunState:
     @property
     def uses_history(self) -> bool:
         return self.estimator.uses_history and self.cfg.estimator.history
+
+    @property
+    def uses_trajectory(self) -> bool:
+        return self.estimator.uses_trajectory
 
 
 def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, progress: bool = True) -> dict:
@@ -124,8 +130,9 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
             rewards, scored = score(run, mine, rollouts)
             data = distributed.gather_step(ranks, rewards, rollouts, scored, cfg.estimator.rollouts_per_prompt,
                                            run.uses_features, gen_s, peak_memory_mb(run.device),
-                                           run.scorer.warning_count)
-            adv, base = baselines(run, batch, rollouts, data.rewards, features=data.features)
+                                           run.scorer.warning_count, uses_trajectory=run.uses_trajectory)
+            adv, base = baselines(run, batch, rollouts, data.rewards, step, features=data.features,
+                                  trajectory=data.trajectory)
             t1 = time.time()
             stats, ok = update(run, rollouts, ranks.shard(adv), step)
             train_s = time.time() - t1
@@ -304,6 +311,8 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
             prompt_of={ex.id: format_prompt(tok, ex.question, cfg.data) for ex in train_ex},
             eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress, ranks=ranks,
             per_prompt_rng=distributed.per_prompt_rng(cfg, ranks))
+        if run.estimator.replay_capacity is not None:
+            run.replay = ReplayBuffer(run.estimator.replay_capacity(cfg.estimator.options))
         if run.estimator.uses_prior and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
         if last is not None:
@@ -346,6 +355,8 @@ def restore(run: RunState, last: Path) -> None:
     run.scheduler.load_state_dict(state["scheduler"])
     run.sampler.load_state_dict(state["sampler"])
     run.history = state.get("history", {})
+    if run.replay is not None and state.get("replay") is not None:
+        run.replay.load_state_dict(state["replay"])
     if run.scaler is not None and state.get("scaler"):
         run.scaler.load_state_dict(state["scaler"])
     run.step, run.bad_steps = state["step"], state.get("bad_steps", 0)
@@ -369,7 +380,8 @@ def checkpoint_state(run: RunState) -> dict:
             "bad_steps": run.bad_steps, "eval_before": run.summary.get("eval_before"),
             "scaler": run.scaler.state_dict() if run.scaler is not None else None,
             "prior_key": run.prior_table["key"] if run.prior_table else None,
-            "ranks": run.ranks.world, "rng_mode": "per_prompt" if run.per_prompt_rng else "global"}
+            "ranks": run.ranks.world, "rng_mode": "per_prompt" if run.per_prompt_rng else "global",
+            "replay": run.replay.state_dict() if run.replay is not None else None}
 
 
 def _config_text(run: RunState) -> str:
@@ -392,6 +404,9 @@ def rollout(run: RunState, batch, step: int = 0, first: int = 0) -> list:
     params.inject = bool(run.cfg.eapo.prior_adapter)  # EAPO: training rollouts only, never eval or the prior
     if run.per_prompt_rng:
         params.seeds = [stream_seed(run.cfg.train.seed, f"rollout/{step}", first + i) for i in range(len(batch))]
+    if run.uses_trajectory:
+        run.engine.trajectory_seconds = 0.0  # this step's share, for the metrics line
+        return run.engine.generate(prompts, params, with_features=run.uses_features, with_trajectory=True)
     return run.engine.generate(prompts, params, with_features=run.uses_features)
 
 
@@ -406,11 +421,13 @@ def score(run: RunState, batch, rollouts):
     return torch.tensor(scored.total, dtype=torch.float32).view(len(batch), G), scored
 
 
-def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor, features: torch.Tensor | None = None):
+def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor, step: int = 0,
+              features: torch.Tensor | None = None, trajectory: torch.Tensor | None = None):
     """(advantages [B, G], baselines [B, G]) from the configured estimator, with the side information it uses.
 
-    `features` [B, D] replaces the rollouts' own (the training loop passes those of the global batch).
-    """
+    `features` [B, D] and `trajectory` [B, G, D'] replace the rollouts' own (the training loop passes those of the
+    global batch). The per-prompt history and the replay buffer get this batch only after the baselines are
+    computed."""
     est, G = run.cfg.estimator, run.cfg.estimator.rollouts_per_prompt
     ids = [ex.id for ex in batch]
     prior = None
@@ -418,14 +435,19 @@ def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor, features: t
         prior = prior_values(ids, run.prior_table, run.history if run.uses_history else None)
     if features is None:
         features = distributed.local_features(rollouts, len(batch), G, run.uses_features)
+    if trajectory is None:
+        trajectory = distributed.local_trajectory(rollouts, len(batch), G, run.uses_trajectory)
     ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=features, history=run.history,
-                           options=est.options, normalize=est.normalize)
+                           trajectory_features=trajectory, replay=run.replay, options=est.options,
+                           normalize=est.normalize)
     adv, base = run.estimator.compute(rewards, ctx)
     if run.uses_history:  # after the baselines: a prompt's history never holds its current reward
         for ex, row in zip(batch, rewards):
             h = run.history.setdefault(ex.id, [0, 0])
             h[0] += int(round(float(row.sum())))
             h[1] += G
+    if run.replay is not None:
+        run.replay.add(step, ids, rewards, features, trajectory)
     return adv, base
 
 
@@ -484,6 +506,8 @@ def step_record(run: RunState, step, data: distributed.StepData, adv, base, stat
         "trained_sequences": stats.get("trained_sequences"), "update_norm": stats["update_norm"],
         "zero_update": stats["update_norm"] == 0.0,
         **{k: stats[k] for k in OPTIONAL_STEP_METRICS if k in stats},
+        **({"trajectory_feature_s": getattr(run.engine, "trajectory_seconds", 0.0)} if run.uses_trajectory else {}),
+        **({"replay_rows": run.replay.rows} if run.replay is not None else {}),
     }
 
 

@@ -10,8 +10,13 @@ the same number of steps, from the same seed, with the SAME NUMBER OF ROLLOUTS P
     basis         estimator basis,        B prompts x 1 rollout,  no prior (estimator.prior_samples=0)
     basis_prior   estimator basis,        B prompts x 1 rollout,  offline prior with K reference rollouts per
                                           training prompt (--prior-samples, default 4), computed COLD for this run
+    basis_probe   estimator basis_probe,  B prompts x 1 rollout,  the online prompt probe as the prior (no prior pass)
     reinforce_pp  estimator reinforce_pp, B prompts x 1 rollout
     grpo8         estimator grpo,         B/8 prompts x 8 rollouts (B must be a multiple of 8)
+    rloo2         estimator rloo,         B/2 prompts x 2 rollouts (POISE's fallback alone)
+    poise         estimator poise,        B/2 prompts x 2 rollouts (trajectory features captured while generating)
+    poise_wide    estimator poise,        B prompts x 2 rollouts: TWICE the rollouts per step of every other arm,
+                                          compared with them at equal wall-clock (its steps cost more)
 
 EAPO arms (not in the default --arms; run them in this order, the last needs the first's adapter):
 
@@ -50,6 +55,12 @@ Reproduce
     python bench/learning.py --analyze-only                    # rebuild learning.{json,md,png} from the run folders
     python bench/learning.py --preset smoke --steps 2 --eval-every 1 --arms reinforce_pp,grpo8 --quiet \\
         --set train.threads=1 --set data.eval_size=4           # plumbing check on the tiny random model, ~20 s
+
+The online-probe arms (issue 11) beside today's, 3 seeds (the finished arms of an earlier run in the same --runs
+folder are skipped; about 2 h on 2 cores for the four new arms, poise_wide's steps costing about twice the others'):
+
+    python bench/learning.py --steps 20 --eval-every 10 --seeds 0 1 2 --quiet \\
+        --arms basis,reinforce_pp,grpo8,basis_probe,rloo2,poise,poise_wide
 
 Seeds: one run per arm is one sample of a noisy process (sampling, prompt order and LoRA init all follow
 ``train.seed``; the eval set is fixed by ``data.seed``). ``--seeds 0 1 2`` runs every arm once per seed (runs under
@@ -99,12 +110,14 @@ RESULTS = ROOT / "bench" / "results"
 # torch is NOT imported in the driver (the arms run in their own processes); only basis_lite.config (yaml) is
 from basis_lite.config import ConfigError, load_config  # noqa: E402
 
-DEFAULT_ARMS = ("basis", "basis_prior", "reinforce_pp", "grpo8")
+DEFAULT_ARMS = ("basis", "basis_prior", "reinforce_pp", "grpo8")  # --arms picks the others
+PROBE_ARMS = ("basis_probe", "rloo2", "poise", "poise_wide")
 EAPO_ARMS = ("eapo_prior", "hard", "hard_eapo")
-ARMS = DEFAULT_ARMS + EAPO_ARMS
+ARMS = DEFAULT_ARMS + PROBE_ARMS + EAPO_ARMS
 GROUP = 8  # grpo8's rollouts per prompt
 COLORS = {"basis": "tab:blue", "basis_prior": "tab:green", "reinforce_pp": "tab:orange", "grpo8": "tab:red",
-          "eapo_prior": "tab:gray", "hard": "tab:purple", "hard_eapo": "tab:cyan"}
+          "basis_probe": "tab:cyan", "rloo2": "tab:gray", "poise": "tab:purple", "poise_wide": "tab:pink",
+          "eapo_prior": "tab:olive", "hard": "tab:brown", "hard_eapo": "tab:cyan"}
 DESCRIPTIONS = {
     "basis": "BASIS, 1 rollout/prompt, no prior",
     "basis_prior": "BASIS, 1 rollout/prompt, offline prior (cold, counted in the clock)",
@@ -113,9 +126,15 @@ DESCRIPTIONS = {
     "eapo_prior": "BASIS on the preset's levels: the EAPO prior adapter",
     "hard": "BASIS on the hard levels, no injection",
     "hard_eapo": "BASIS on the hard levels, EAPO injection from the prior adapter",
+    "basis_probe": "BASIS with the online prompt probe as its prior, 1 rollout/prompt",
+    "rloo2": "RLOO, 2 rollouts/prompt, half the prompts",
+    "poise": "POISE, 2 rollouts/prompt, half the prompts",
+    "poise_wide": "POISE, 2 rollouts/prompt, all the prompts (2x the rollouts per step)",
 }
 # paired differences by seed: arm -> the arm it is compared with
-PAIR_BASE = {"basis": "reinforce_pp", "basis_prior": "reinforce_pp", "grpo8": "reinforce_pp", "hard_eapo": "hard"}
+PAIR_BASE = {"basis": "reinforce_pp", "basis_prior": "reinforce_pp", "grpo8": "reinforce_pp",
+             "basis_probe": "reinforce_pp", "rloo2": "reinforce_pp", "poise": "reinforce_pp",
+             "poise_wide": "reinforce_pp", "hard_eapo": "hard"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -162,6 +181,19 @@ def arm_overrides(arm: str, batch_size: int, prior_samples: int, hard_levels: li
                 f"train.batch_size={batch_size}"]
     if arm == "reinforce_pp":
         return ["estimator.name=reinforce_pp", "estimator.rollouts_per_prompt=1", "estimator.prior_samples=0",
+                f"train.batch_size={batch_size}"]
+    if arm == "basis_probe":
+        return ["estimator.name=basis_probe", "estimator.rollouts_per_prompt=1", "estimator.prior_samples=0",
+                f"train.batch_size={batch_size}"]
+    if arm in ("poise", "rloo2"):
+        if batch_size % 2:
+            raise ConfigError(f"arm {arm}: train.batch_size={batch_size} is odd; it runs B/2 prompts x 2 rollouts "
+                              f"to spend the same rollouts per step as the others; pass --set train.batch_size=<even>")
+        name = "poise" if arm == "poise" else "rloo"
+        return [f"estimator.name={name}", "estimator.rollouts_per_prompt=2", "estimator.prior_samples=0",
+                f"train.batch_size={batch_size // 2}"]
+    if arm == "poise_wide":
+        return ["estimator.name=poise", "estimator.rollouts_per_prompt=2", "estimator.prior_samples=0",
                 f"train.batch_size={batch_size}"]
     if arm == "grpo8":
         if batch_size % GROUP:
@@ -453,7 +485,8 @@ def write_md(report: dict, path: Path) -> None:
     lines = ["# Learning speed: held-out accuracy vs wall-clock (CPU)", "",
              f"Preset `{sh.get('preset')}` (model `{sh.get('model')}`, dataset `{sh.get('dataset')}`, "
              f"train_size {sh.get('train_size')}), {sh.get('steps')} steps, {sh.get('rollouts_per_step')} rollouts "
-             f"per step in every arm, greedy eval on {sh.get('eval_size')} held-out problems every "
+             f"per step in every arm" + (" but poise_wide (twice that)" if "poise_wide" in arms else "")
+             + f", greedy eval on {sh.get('eval_size')} held-out problems every "
              f"{sh.get('eval_every')} steps. Extra settings: {', '.join(sh.get('set') or []) or 'none'}.", "",
              "Clock = cumulative generation + training seconds of the steps so far (no eval, checkpoint or load "
              "time); for basis_prior the prior pass is added (and shown on its own: a cached prior is reused by "
@@ -578,8 +611,8 @@ def parse_args(argv):
     p.add_argument("--eval-every", type=int, default=None,
                    help="train.eval_every (default: the preset's, or steps // 4)")
     p.add_argument("--eval-size", type=int, default=None, help="data.eval_size (default: the preset's)")
-    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, from {','.join(ARMS)} "
-                   f"(default {','.join(DEFAULT_ARMS)})")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                   help=f"comma-separated, from {','.join(ARMS)} (default {','.join(DEFAULT_ARMS)})")
     p.add_argument("--prior-samples", type=int, default=4, help="K for basis_prior (default 4)")
     p.add_argument("--hard-levels", default="4,5", help="data.levels of the hard and hard_eapo arms (default 4,5)")
     p.add_argument("--eapo-prior", default=None,

@@ -35,6 +35,11 @@ Per-prompt MSEs are averaged over resamples and then over prompts; ratios to REI
 
     python bench/value_mse.py                         # all bench/results/rollouts_*.npz -> value_mse.{json,md,png}
     python bench/value_mse.py --resamples 50 --ks 2 4 8 --batch-sizes 32 64 128 256
+
+Online probes on real training trajectories (``bench/record_trajectories.py`` recordings; protocol in
+bench/value_mse_trajectories.py): every estimator at step t reads only steps < t and the current batch.
+
+    python bench/value_mse.py --trajectories          # bench/results/trajectories_*.npz -> value_mse_trajectories.*
 """
 from __future__ import annotations
 
@@ -648,7 +653,13 @@ def analyse(paths: list[str], batch_sizes: list[int], resamples: int, ks: list[i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recordings", nargs="*", help="default: bench/results/rollouts_*.npz")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 64, 128, 256])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                    help="default 32 64 128 256 (16 32 64 128 with --trajectories)")
+    ap.add_argument("--trajectories", nargs="*", default=None, metavar="NPZ",
+                    help="analyse trajectory recordings instead (default: bench/results/trajectories_*.npz)")
+    ap.add_argument("--buffer-size", type=int, default=4096, help="--trajectories: replay buffer rows")
+    ap.add_argument("--min-rows", type=int, default=None,
+                    help="--trajectories: buffer rows every probe needs before use (default: each variant's own)")
     ap.add_argument("--resamples", type=int, default=60, help="resampled batches at B=32 (fewer at larger B)")
     ap.add_argument("--ks", type=int, nargs="*", default=[2, 4, 8], help="prior sizes K (reference samples)")
     ap.add_argument("--default-k", type=int, default=None, help="K of the default checked against the targets")
@@ -657,10 +668,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "value_mse"), help="output prefix (.json, .md, .png)")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
+    cmd = "python bench/value_mse.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if a.trajectories is not None:
+        import value_mse_trajectories as vt
+
+        paths = a.trajectories or sorted(glob.glob(str(RESULTS / "trajectories_*.npz")))
+        if not paths:
+            raise SystemExit("no trajectory recordings: run bench/record_trajectories.py first")
+        out = Path(a.out) if a.out != str(RESULTS / "value_mse") else RESULTS / "value_mse_trajectories"
+        variants = None if a.variants is None else [v for v in a.variants if v in vt.PROBE_VARIANTS]
+        return vt.main(paths, a.batch_sizes or [16, 32, 64, 128], a.resamples, a.seed, out, a.no_plot, cmd.strip(),
+                       a.buffer_size, variants, a.min_rows)
+    a.batch_sizes = a.batch_sizes or [32, 64, 128, 256]
     paths = a.recordings or sorted(glob.glob(str(RESULTS / "rollouts_*.npz")))
     if not paths:
         raise SystemExit("no recordings: run bench/record_rollouts.py first")
-    cmd = "python bench/value_mse.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report = analyse(paths, a.batch_sizes, a.resamples, a.ks, a.seed, a.variants, a.default_k, cmd.strip())
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

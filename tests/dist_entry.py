@@ -68,8 +68,8 @@ class Recorder:
 
         original = trainer.baselines
 
-        def baselines(run, batch, rollouts, rewards, features=None):
-            adv, base = original(run, batch, rollouts, rewards, features=features)
+        def baselines(run, batch, rollouts, rewards, *args, **kwargs):
+            adv, base = original(run, batch, rollouts, rewards, *args, **kwargs)
             self.write({"kind": "step", "step": run.step + 1, "ids": [ex.id for ex in batch],
                         "rewards": rewards.reshape(-1).tolist(), "baselines": base.reshape(-1).tolist(),
                         "advantages": adv.reshape(-1).tolist(), "texts": [r.text for r in rollouts]})

@@ -577,10 +577,12 @@ def _formula(name, r, prior, feats):
         m = r.mean(1, keepdim=True) if G > 1 else torch.zeros(B, 1, dtype=r.dtype)
         sd = r.std(1, keepdim=True) if G > 1 else torch.ones(B, 1, dtype=r.dtype)
         return ((r - m) / (sd + 1e-6) if name == "grpo" else r - m), m.expand(B, G)
-    if name == "rloo":  # mean of the other G - 1 rollouts (0 for G = 1)
+    if name in ("rloo", "poise"):  # mean of the other G - 1 rollouts (0 for G = 1); poise without a warm probe
         base = (r.sum(1, keepdim=True) - r) / (G - 1) if G > 1 else torch.zeros_like(r)
         return r - base, base
-    if name == "basis":  # every rollout a row, its prompt's prior and features repeated
+    if name == "basis_probe":  # without a replay buffer: no probe, no prior (the offline prior is not read)
+        prior = None
+    if name in ("basis", "basis_probe"):  # every rollout a row, its prompt's prior and features repeated
         rows = basis_baseline(r.reshape(-1), None if prior is None else prior.repeat_interleave(G),
                               None if feats is None else feats.repeat_interleave(G, dim=0))
         base = rows.reshape(B, G)
@@ -609,9 +611,10 @@ def test_registry_compute_matches_the_formulas(name):
 
 
 def test_registry_specs():
-    assert estimator_names() == ("basis", "reinforce_pp", "grpo", "dr_grpo", "rloo")
+    assert estimator_names() == ("basis", "reinforce_pp", "grpo", "dr_grpo", "rloo", "basis_probe", "poise")
     want = {"basis": (1, True, True, True), "reinforce_pp": (1, False, False, False),
-            "grpo": (2, False, False, False), "dr_grpo": (2, False, False, False), "rloo": (2, False, False, False)}
+            "grpo": (2, False, False, False), "dr_grpo": (2, False, False, False), "rloo": (2, False, False, False),
+            "basis_probe": (1, True, False, True), "poise": (2, True, False, False)}
     for name, (g, feats, prior, hist) in want.items():
         spec = get_estimator(name)
         assert (spec.name, spec.min_rollouts, spec.uses_features, spec.uses_prior, spec.uses_history) == \
@@ -620,9 +623,10 @@ def test_registry_specs():
     # the docs say which baselines include the rollout's own reward
     for name in ("reinforce_pp", "grpo", "dr_grpo"):
         assert "includes r_i" in get_estimator(name).description
-    for name in ("basis", "rloo"):
+    for name in ("basis", "rloo", "basis_probe", "poise"):
         assert "never uses r_i" in get_estimator(name).description
-    with pytest.raises(ConfigError, match=r"estimator\.name: 'ppo' .*basis, reinforce_pp, grpo, dr_grpo, rloo"):
+    with pytest.raises(ConfigError, match=r"estimator\.name: 'ppo' .*basis, reinforce_pp, grpo, dr_grpo, rloo, "
+                                          r"basis_probe, poise"):
         get_estimator("ppo")
     with pytest.raises(ValueError, match="already registered"):
         register(EstimatorSpec("rloo", min_rollouts=2, fn=lambda r, ctx: (r, r)))
@@ -643,7 +647,7 @@ def test_a_registered_estimator_is_usable_by_name():
         cfg = load_config("smoke", ["estimator.name=test_half", "estimator.rollouts_per_prompt=3"])
         assert cfg.estimator.name == "test_half"
         with pytest.raises(ConfigError, match=r"rollouts_per_prompt >= 3 \(got 2\); use basis or reinforce_pp or "
-                                              r"grpo or dr_grpo or rloo for 2 rollouts"):
+                                              r"grpo or dr_grpo or rloo or basis_probe or poise for 2 rollouts"):
             load_config("smoke", ["estimator.name=test_half", "estimator.rollouts_per_prompt=2"])
         r = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]], dtype=D)
         adv, base = compute("test_half", r)

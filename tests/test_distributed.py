@@ -240,6 +240,61 @@ def test_start_checks_the_global_batch_before_any_connection(monkeypatch):
         distributed.start(load_config("smoke", ["generation.rng=global"]))
 
 
+def _gather_inputs(rank: int, b: int = 2, G: int = 2, D: int = 3, Dt: int = 5):
+    """One rank's made-up step: rollouts with prompt and trajectory features, rewards, scores."""
+    from basis_lite.engines.base import Rollout
+
+    g = torch.Generator().manual_seed(100 + rank)
+    rolls = [Rollout(prompt="p", prompt_ids=[1], completion_ids=[1] * (rank + i + 1), text="t", finished=True,
+                     feature=torch.randn(D, generator=g), trajectory=torch.randn(Dt, generator=g))
+             for i in range(b * G)]
+    rewards = torch.rand(b, G, generator=g)
+    scored = SimpleNamespace(correct=[float(i % 2) for i in range(b * G)], format=[1.0] * (b * G))
+    return rolls, rewards, scored
+
+
+def _gather_worker(rank: int, world: int, port: int, out: str):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    from basis_lite.distributed import ProcessGroupRanks, gather_step
+
+    ranks = ProcessGroupRanks(rank, world, rank, world, torch.device("cpu"))
+    rolls, rewards, scored = _gather_inputs(rank)
+    data = gather_step(ranks, rewards, rolls, scored, 2, True, 1.0 + rank, 5.0, rank, uses_trajectory=True)
+    Path(out, f"rank-{rank}.json").write_text(json.dumps({
+        "rewards": data.rewards.tolist(), "features": data.features.tolist(), "trajectory": data.trajectory.tolist(),
+        "lens": data.completion_lens, "generation_s": data.generation_s, "warnings": data.reward_warnings}))
+    ranks.close()
+
+
+@pytest.mark.distributed
+def test_gather_step_delivers_the_global_features_and_trajectories(tmp_path):
+    """Two gloo processes: every rank gets the global batch's rewards, prompt features and per-rollout trajectory
+    features (what poise and basis_probe need), in rank order, the same on both ranks."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from basis_lite.distributed import Ranks, gather_step
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    mp.spawn(_gather_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert got[0] == got[1]
+    parts = [gather_step(Ranks(), rw, ro, sc, 2, True, 0.0, 0.0, 0, uses_trajectory=True)
+             for ro, rw, sc in (_gather_inputs(r) for r in (0, 1))]
+    want_traj = torch.cat([p.trajectory for p in parts])
+    assert want_traj.shape == (4, 2, 5)
+    assert torch.allclose(torch.tensor(got[0]["trajectory"]), want_traj)
+    assert torch.allclose(torch.tensor(got[0]["features"]), torch.cat([p.features for p in parts]))
+    assert torch.allclose(torch.tensor(got[0]["rewards"]), torch.cat([p.rewards for p in parts]))
+    assert got[0]["lens"] == parts[0].completion_lens + parts[1].completion_lens
+    assert got[0]["generation_s"] == 2.0 and got[0]["warnings"] == 1  # the slowest rank's time; warnings summed
+
+
 def test_single_process_ranks_are_identities():
     from basis_lite.distributed import Ranks
 

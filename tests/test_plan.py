@@ -204,3 +204,18 @@ def test_4bit_weight_estimate_matches_bitsandbytes(tmp_path):
 def test_model_shape_dataclass_describe():
     s = ModelShape("x", 8, 1, 2, 1, 4, 16, 10, True)
     assert "params" in s.describe() and s.kv_bytes_per_token(2) == 2 * 1 * 1 * 4 * 2
+
+
+def test_eapo_doubles_the_hf_generation_rows():
+    """EAPO injection decodes a prior row beside every policy row: the HF generation phase holds twice the KV cache
+    and logits."""
+    from basis_lite.config import load_config
+    from basis_lite.plan import estimate_memory
+
+    base = ["generation.engine=hf", "model.backend=hf"]
+    plain = estimate_memory(load_config("gpu-8gb", base))
+    eapo = estimate_memory(load_config("gpu-8gb", base + ["eapo.prior_adapter=runs/earlier/adapter"]))
+    (ka,) = [k for k in plain if k.startswith("generation: HF KV cache")]
+    (kb,) = [k for k in eapo if k.startswith("generation: HF KV cache")]
+    assert "EAPO" in kb and "EAPO" not in ka
+    assert eapo[kb] == pytest.approx(2 * plain[ka])

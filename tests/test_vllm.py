@@ -27,7 +27,12 @@ What is checked:
     equal the HF engine's;
   * after a second change of the adapter, vLLM serves the second adapter (new LoRA id), not a cached first one;
   * under peft's disable_adapter (the BASIS prior's reference policy) vLLM serves the base model;
-  * `basis-lite train` end to end with generation.engine=vllm (1 step on SmolLM2);
+  * vLLM's log-prob of each sampled token (processed_logprobs: after the temperature) equals the trainer's
+    log softmax(logits / T) of the same token within a tolerance (different kernels, the same fp32 weights); the
+    same prompts with the same per-prompt seeds (generation.rng=per_prompt) give the same completions; trajectory
+    features (for poise) come back finite, one vector per rollout;
+  * `basis-lite train` end to end with generation.engine=vllm (1 step on SmolLM2), the mismatch correction on by
+    default there, and the engine/trainer log-ratio in its metrics;
   * that run's merged export (`basis-lite export --merged`) served by vLLM: `LLM.chat` renders the training prompt
     with the exported chat template, and greedy vLLM output equals transformers' greedy output on the same folder.
 Not checked here: the Unsloth fast_inference engine (GPU only) and vLLM on a GPU.
@@ -149,6 +154,41 @@ def test_vllm_engine_matches_hf_after_a_training_step(policy):
         assert a.completion_ids == _until_stop(b.completion_ids, stops), (a.text, b.text)
 
 
+def test_vllm_logprobs_seeds_and_trajectories(policy):
+    from basis_lite.engines.seeded import stream_seed
+    from basis_lite.losses import sequence_logprobs
+    from basis_lite.update import pack_sequences
+
+    cfg, model, tok, engine, _ = policy
+    assert engine.logprobs_mode() == "processed_logprobs"
+    qs = ["What is 17 + 25?", "What is 3 + 9?", "What is 120 + 45?"]
+    prompts = [format_prompt(tok, q, cfg.data) for q in qs]
+    for T in (0.7, 1.0):
+        torch.manual_seed(0)
+        rolls = engine.generate(prompts, SamplingParams(temperature=T, max_new_tokens=24, n=2), with_features=False)
+        ids, attn, cmask = pack_sequences(rolls, cfg.model.max_seq_length, tok.pad_token_id)
+        with torch.no_grad():
+            lp = sequence_logprobs(model, ids, attn, cmask, temperature=T).logprobs
+        for i, r in enumerate(rolls):
+            want = lp[i, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.completion_ids)]
+            got = torch.tensor(r.logprobs)
+            assert len(r.logprobs) == len(r.completion_ids) and torch.isfinite(got).all()
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+            if T != 1.0:  # the value is at the sampling temperature, not vLLM's raw T = 1 log-prob
+                with torch.no_grad():
+                    raw = sequence_logprobs(model, ids[i:i + 1], attn[i:i + 1], cmask[i:i + 1]).logprobs[0]
+                assert (got - raw[len(r.prompt_ids) - 1:][:len(got)]).abs().max() > 1e-2
+    seeds = [stream_seed(0, "t", i) for i in range(len(prompts))]
+    a = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seeds=seeds),
+                        with_features=False, with_trajectory=True)
+    torch.manual_seed(123)  # per-prompt seeds: the global RNG does not matter
+    b = engine.generate(prompts[1:], SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seeds=seeds[1:]),
+                        with_features=False)
+    assert [r.completion_ids for r in a[2:]] == [r.completion_ids for r in b]
+    dims = {r.trajectory.shape for r in a}
+    assert len(dims) == 1 and all(bool(torch.isfinite(r.trajectory).all()) for r in a)
+
+
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory):
     """`basis-lite train` end to end with generation.engine=vllm: 1 step on SmolLM2 (its run folder)."""
@@ -156,7 +196,8 @@ def vllm_run(tmp_path_factory):
     over = SETTINGS + ["train.steps=1", "data.eval_size=4", "train.eval_batch_size=4", "train.eval_max_new_tokens=16",
                        "generation.max_new_tokens=16", "estimator.name=basis", "estimator.prior_samples=0",
                        "train.threads=2", "reward.timeout_s=0", "reward.require_boxed=false",
-                       "data.system_prompt=''"]  # no system turn: SmolLM2's own template would insert one
+                       "data.system_prompt=''",  # no system turn: SmolLM2's own template would insert one
+                       "reward.functions=[tests.reward_fns:char_sum_reward]"]  # varied rewards: the step trains
     rc = cli_main("train", "--preset", "cpu-smollm2-arith", *sets(over), "--output", str(run), "--no-progress")
     assert rc == 0
     return run
@@ -166,6 +207,8 @@ def test_train_cli_with_vllm_engine(vllm_run):
     run = vllm_run
     recs = step_records(run)
     assert [r["step"] for r in recs] == [1] and recs[0]["generation_s"] > 0
+    # the mismatch correction is on by default with vLLM, and the engine/trainer log-ratio is small
+    assert 0 <= recs[0]["mismatch_truncated_fraction"] <= 1 and recs[0]["engine_log_ratio_max"] < 0.05
     assert [r["event"] for r in read_lines(run) if "event" in r] == ["eval", "eval_final"]
     assert (run / "adapter" / "adapter_model.safetensors").exists()
 

@@ -8,6 +8,9 @@ sampling temperature: the behaviour log-probs the update compares with its own),
 for free, a prompt feature vector for BASIS similarity pooling. With EAPO experience injection (HF engine,
 `params.inject`), some tokens were sampled from a prior adapter instead: their positions and the prior's log-probs
 are recorded too.
+With ``with_trajectory=True`` it also carries a trajectory feature (engines/trajectory.py: a middle-layer state
+of the completion and token-entropy statistics) for value probes such as POISE; engines compute it only when
+asked.
 Implementations: `engines.hf.HFEngine` (the training model's generate) and `engines.vllm` (Unsloth's in-process
 vLLM, or plain vLLM with the adapter sent as a LoRARequest).
 """
@@ -42,6 +45,7 @@ class Rollout:
     # temperature (1 when greedy), before top-k/top-p on the HF engine; NaN where the engine gave none; None when
     # the engine returned no log-probs at all
     logprobs: list[float] | None = field(default=None, repr=False)
+    trajectory: torch.Tensor | None = field(default=None, repr=False)  # [H + N_STATS] (engines/trajectory.py)
     injected: list[int] = field(default_factory=list)  # EAPO: completion positions whose token the prior sampled
     prior_logprobs: list[float] = field(default_factory=list)  # EAPO: the prior's log-prob there (aligned to injected)
 
@@ -63,8 +67,10 @@ class Engine(Protocol):
     def sync(self, model=None) -> None:
         """Make the next generate() use the model's current adapter weights."""
 
-    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True) -> list[Rollout]:
-        """params.n completions per prompt, prompt-major; Rollout.feature set when with_features and available."""
+    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True,
+                 with_trajectory: bool = False) -> list[Rollout]:
+        """params.n completions per prompt, prompt-major; Rollout.feature set when with_features and available,
+        Rollout.trajectory when with_trajectory (callers pass it only when they need it)."""
 
 
 def params_from_config(gen_cfg, n: int = 1, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:

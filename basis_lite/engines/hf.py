@@ -16,16 +16,22 @@ rounding: KV-cached decoding multiplies matrices of other shapes than one forwar
 With `params.inject` and an EAPO prior adapter (`eapo.py`), sampling runs `eapo.generate_with_injection` instead of
 generate(): the same rollouts, with the prior's tokens at critical decision points. That loop samples from torch's
 global RNG, also when `params.seeds` asks for per-prompt streams.
+
+Trajectory features (``with_trajectory=True``, for value probes) come from the same generate() call:
+``engines.trajectory.TrajectoryCapture`` hooks the feature layer at every decoding step and reads each step's
+scores through a logits processor that returns them unchanged. Without it neither is installed.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+from transformers import LogitsProcessorList
 
 from ..models import decoder_layers, inference_mode
 from .base import Rollout, SamplingParams, stop_token_ids
 from .seeded import seeded_logits_processor
+from .trajectory import TrajectoryCapture
 
 
 class SampledLogprobs:
@@ -61,13 +67,15 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model, tokenizer, batch_size: int = 64, max_prompt_tokens: int = 448,
-                 feature_layer: int | None = None, feature_tokens: int = 4, eapo=None):
+                 feature_layer: int | None = None, feature_tokens: int = 4, eapo=None, trajectory_tokens: int = 4):
         self.model, self.tok = model, tokenizer
         self.batch_size = batch_size
         self.max_prompt_tokens = max_prompt_tokens
         layers = decoder_layers(model)
         self.feature_layer = len(layers) // 2 if feature_layer is None else feature_layer
         self.feature_tokens = feature_tokens
+        self.trajectory_tokens = trajectory_tokens
+        self.trajectory_seconds = 0.0  # time spent in the trajectory capture, summed over generate() calls
         self._layers = layers
         self.stop_ids = sorted(stop_token_ids(tokenizer, model))
         self.eapo = eapo  # EapoConfig with a prior adapter loaded on the model, or None
@@ -83,17 +91,20 @@ class HFEngine:
         return self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                         truncation=True, max_length=self.max_prompt_tokens)
 
-    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True) -> list[Rollout]:
+    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True,
+                 with_trajectory: bool = False) -> list[Rollout]:
         """n = params.n samples per prompt, prompt-major; generate() is called on chunks of batch_size sequences."""
         per_call = max(1, self.batch_size // max(1, params.n))
         out: list[Rollout] = []
         for start in range(0, len(prompts), per_call):
             chunk = params if params.seeds is None else dataclasses.replace(
                 params, seeds=params.seeds[start:start + per_call])
-            out.extend(self._generate_chunk(prompts[start:start + per_call], chunk, with_features))
+            out.extend(self._generate_chunk(prompts[start:start + per_call], chunk, with_features,
+                                              with_trajectory))
         return out
 
-    def _generate_chunk(self, prompts: list[str], params: SamplingParams, with_features: bool) -> list[Rollout]:
+    def _generate_chunk(self, prompts: list[str], params: SamplingParams, with_features: bool,
+                        with_trajectory: bool = False) -> list[Rollout]:
         model, tok = self.model, self.tok
         device = next(model.parameters()).device
         enc = self._encode(prompts)
@@ -109,27 +120,38 @@ class HFEngine:
         greedy = params.temperature <= 0
         if params.inject and self.eapo is not None and not greedy:
             return self._generate_injected(prompts, input_ids, attn, params, with_features)
-        handle = self._layers[self.feature_layer].register_forward_hook(hook) if with_features else None
+        # logits processors, in this order: the recorders see the model's logits (they return them unchanged),
+        # then the per-prompt sampler (it returns a one-hot row) when seeds are given
         record = SampledLogprobs(params.temperature)
+        processors: list = [record]
+        capture = None
+        if with_trajectory:
+            capture = TrajectoryCapture(input_ids.shape[1], params.max_new_tokens, self.stop_ids, params.temperature,
+                                        self.trajectory_tokens)
+            processors.append(capture)
         gen_kwargs = dict(max_new_tokens=params.max_new_tokens, do_sample=not greedy, pad_token_id=tok.pad_token_id,
-                          eos_token_id=self.stop_ids, use_cache=True,
-                          num_return_sequences=params.n, logits_processor=[record])
+                          eos_token_id=self.stop_ids, use_cache=True, num_return_sequences=params.n)
         if not greedy:
             # top_k=0 disables top-k explicitly: None would fall back to the model's generation_config (often
             # top_k=50), sampling from a truncated distribution the loss does not know about
             gen_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
-            if params.seeds is not None:  # per-prompt streams: the processor picks the token, multinomial keeps it;
-                # `record` runs first and still sees the model's logits
-                gen_kwargs["logits_processor"] = [record, *seeded_logits_processor(
-                    params.seeds, params.n, params.temperature, params.top_p, params.top_k)]
+            if params.seeds is not None:  # per-prompt streams: the processor picks the token, multinomial keeps it
+                processors.extend(seeded_logits_processor(params.seeds, params.n, params.temperature, params.top_p,
+                                                          params.top_k))
         else:
             gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+        gen_kwargs["logits_processor"] = LogitsProcessorList(processors)
+        handle = self._layers[self.feature_layer].register_forward_hook(hook) if with_features else None
+        if capture is not None:
+            capture.attach(self._layers[self.feature_layer])
         try:
             with inference_mode(model):
                 seqs = model.generate(input_ids=input_ids, attention_mask=attn, **gen_kwargs)
         finally:
             if handle is not None:
                 handle.remove()
+            if capture is not None:
+                capture.detach()
         # generate() expands the batch to P*n rows BEFORE the prefill, so the hook saw one row per sequence
         feats = captured[0] if captured else None
         lps = record.finish(seqs)
@@ -147,6 +169,15 @@ class HFEngine:
             rollouts.append(Rollout(prompt=prompts[p], prompt_ids=p_ids, completion_ids=comp, text=text,
                                     finished=finished, feature=None if feats is None else feats[row],
                                     logprobs=lps[row, :len(comp)].tolist()))
+        if capture is not None:
+            import time
+
+            t0 = time.perf_counter()
+            capture.finish(seqs)
+            trajs = capture.features([r.completion_ids for r in rollouts], [r.finished for r in rollouts], tok)
+            for r, t in zip(rollouts, trajs):
+                r.trajectory = t
+            self.trajectory_seconds += capture.seconds + time.perf_counter() - t0
         return rollouts
 
     def _generate_injected(self, prompts, input_ids, attn, params: SamplingParams, with_features: bool):

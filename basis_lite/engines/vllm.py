@@ -137,7 +137,7 @@ def sampled_logprobs(completion_ids: list[int], logprobs) -> list[float] | None:
     for j, t in enumerate(completion_ids):
         entry = logprobs[j] if j < len(logprobs) else None
         lp = entry.get(t) if entry else None
-        out.append(float(lp.logprob) if lp is not None else float("nan"))
+        out.append(float(getattr(lp, "logprob", lp)) if lp is not None else float("nan"))
     return out
 
 
@@ -167,6 +167,9 @@ def adapter_disabled(model) -> bool:
         if hasattr(m, "lora_A") and hasattr(m, "disable_adapters"):
             return bool(m.disable_adapters)
     return False
+
+
+TRAJECTORY_TOPK = 20  # top-k log-probs asked of vLLM per token when trajectory features are wanted
 
 
 class _StopForward(Exception):
@@ -232,6 +235,7 @@ class _VLLMEngineBase:
         self.feature_batch_size = feature_batch_size
         self.stop_ids = sorted(stop_token_ids(tokenizer, model))  # the HF engine's stop set: same completions
         self.lora_request = None
+        self.trajectory_seconds = 0.0  # time spent on trajectory features, summed over generate() calls
         self.syncs = 0
         self._synced_version = None
         self._warned_raw = False
@@ -243,7 +247,7 @@ class _VLLMEngineBase:
     def _generate_outputs(self, inputs: list[dict], sampling_params: list, lora_request):
         raise NotImplementedError
 
-    def _sampling_params(self, params: SamplingParams, n_prompts: int) -> list:
+    def _sampling_params(self, params: SamplingParams, n_prompts: int, logprobs: int | None = None) -> list:
         """One vllm.SamplingParams per prompt. Seeds come from torch's global RNG (checkpointed by the trainer, so
         a resumed run draws the same ones): prompt i gets seed s + i*n and vLLM gives its k-th sample seed + k. With
         per-prompt streams (`params.seeds`) prompt i gets its own seed, folded below 2**31 - n."""
@@ -263,10 +267,13 @@ class _VLLMEngineBase:
                       logprobs=0)  # the sampled token's log-prob only
             if not greedy:
                 kw["seed"] = seeds[i]
+            if logprobs:
+                kw["logprobs"] = logprobs  # top-k log-probs per token, for the trajectory statistics
             out.append(VSP(**kw))
         return out
 
-    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True) -> list[Rollout]:
+    def generate(self, prompts: list[str], params: SamplingParams, with_features: bool = True,
+                 with_trajectory: bool = False) -> list[Rollout]:
         if not prompts:
             return []
         lora = None
@@ -276,14 +283,41 @@ class _VLLMEngineBase:
             lora = self.lora_request
         prompt_ids = encode_prompts(self.tok, prompts, self.max_prompt_tokens)
         outputs = self._generate_outputs([{"prompt_token_ids": ids} for ids in prompt_ids],
-                                         self._sampling_params(params, len(prompts)), lora)
+                                         self._sampling_params(params, len(prompts),
+                                                               TRAJECTORY_TOPK if with_trajectory else None), lora)
         feats = None
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.tok.eos_token_id or 0)
         if with_features:
-            pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.tok.eos_token_id or 0)
             feats = prompt_features(self.model, prompt_ids, pad, feature_tokens=self.feature_tokens,
                                     batch_size=self.feature_batch_size)
         keep = self._logprobs_usable(params)
-        return self.to_rollouts(prompts, prompt_ids, outputs, params.n, feats, with_logprobs=keep)
+        rollouts = self.to_rollouts(prompts, prompt_ids, outputs, params.n, feats, with_logprobs=keep)
+        if with_trajectory:
+            self.add_trajectories(rollouts, outputs, params, pad)
+        return rollouts
+
+    def add_trajectories(self, rollouts: list[Rollout], outputs, params: SamplingParams, pad: int) -> None:
+        """Rollout.trajectory for each rollout: the hidden part from one no-grad forward of prompt + completion
+        through the layers up to the feature layer, the statistics from vLLM's top-k log-probs
+        (engines/trajectory.py)."""
+        import time
+
+        from .trajectory import completion_hidden_states, stats_from_topk
+
+        t0 = time.perf_counter()
+        # processed log-probs are at the sampling temperature already; raw ones are rescaled by it
+        temperature = 1.0 if self.logprobs_mode() == "processed_logprobs" else params.temperature
+        hidden = completion_hidden_states(self.model, [r.prompt_ids for r in rollouts],
+                                          [r.completion_ids for r in rollouts], pad, tokens=self.feature_tokens,
+                                          batch_size=self.feature_batch_size)
+        comps = [c for out in outputs for c in sorted(out.outputs, key=lambda c: getattr(c, "index", 0))]
+        for r, c, h in zip(rollouts, comps, hidden):
+            top = list(getattr(c, "logprobs", None) or [])
+            sampled = list(c.token_ids)[:len(top)]
+            stats = stats_from_topk(top, sampled, self.tok.convert_ids_to_tokens(sampled), r.finished,
+                                    temperature, length=len(r.completion_ids))
+            r.trajectory = torch.cat([h.float(), stats])
+        self.trajectory_seconds += time.perf_counter() - t0
 
     def logprobs_mode(self) -> str | None:
         """The engine's vLLM logprobs_mode, or None when it cannot be read."""

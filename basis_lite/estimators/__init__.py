@@ -18,6 +18,10 @@ Registered here:
 - ``grpo`` (G >= 2): (r - group mean) / group std; the group mean includes r_i.
 - ``dr_grpo`` (G >= 2): r - group mean; the group mean includes r_i.
 - ``rloo`` (G >= 2): r - mean of the other G - 1 rollouts of the prompt; b_i never uses r_i.
+- ``basis_probe`` (G >= 1): BASIS whose prior is an online probe on the prompts' hidden states, refit on earlier
+  steps' rewards (replay buffer); b_i never uses r_i (poise.py).
+- ``poise`` (G >= 2): each rollout's baseline is an online probe's prediction from its sibling rollouts' internal
+  states (trajectory features), refit on earlier steps; b_ig never uses r_ig or rollout g's features (poise.py).
 
 ``explained_variance`` lives in ``basis_lite.estimators.base`` (torch); ``basis_lite.estimators.explained_variance``
 imports it on first access.
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import ConfigError
-from . import basis_options
+from . import basis_options, probe_options
 
 __all__ = ["EstimatorContext", "EstimatorSpec", "register", "get_estimator", "estimator_names"]
 
@@ -43,7 +47,8 @@ class EstimatorContext:
         ``priors.prior_values``), or None.
     features: [B, D] prompt features (the policy's hidden state of each prompt), or None.
     history: {prompt id: [successes, trials]} from earlier steps, read-only; never holds the current rewards.
-    trajectory_features: room for per-rollout features [B, G, D']; no registered estimator uses them yet.
+    trajectory_features: [B, G, D'] per-rollout trajectory features (engines/trajectory.py), or None.
+    replay: a ``probe.ReplayBuffer`` of earlier steps' rollouts (never the current batch), read-only, or None.
     options: the estimator's options, checked by ``EstimatorSpec.validate_options``.
     normalize: divide the advantages by their batch std (+eps) after the estimator ran (see ``EstimatorSpec``).
     """
@@ -53,6 +58,7 @@ class EstimatorContext:
     features: Any = None
     history: dict | None = None
     trajectory_features: Any = None
+    replay: Any = None
     options: dict = field(default_factory=dict)
     normalize: bool = False
 
@@ -65,6 +71,10 @@ class EstimatorSpec:
     check_options: options -> options, raising ConfigError that names ``estimator.options.<key>`` (torch-free);
         None means the estimator takes no options.
     whitened: the advantages come out already divided by the batch std, so ``ctx.normalize`` leaves them as they are.
+    uses_trajectory: the engine must capture trajectory features (``ctx.trajectory_features``); engines compute them
+        only for such estimators.
+    replay_capacity: options -> rollouts the trainer keeps in a replay buffer of earlier steps (``ctx.replay``,
+        saved in checkpoints); None means the estimator keeps no buffer. Torch-free.
     """
 
     name: str
@@ -76,6 +86,8 @@ class EstimatorSpec:
     fn: str | Callable = ""
     check_options: Callable[[dict], dict] | None = None
     whitened: bool = False
+    uses_trajectory: bool = False
+    replay_capacity: Callable[[dict], int] | None = None
 
     def validate_options(self, options: dict | None) -> dict:
         """The options checked (a copy); ConfigError naming the bad key and what is accepted."""
@@ -180,3 +192,15 @@ register(EstimatorSpec(
     "rloo", min_rollouts=2,
     description="RLOO: r - mean of the other G - 1 rollouts of the prompt; b_i never uses r_i",
     fn="basis_lite.estimators.simple:rloo"))
+register(EstimatorSpec(
+    "basis_probe", min_rollouts=1, uses_features=True, uses_history=True,
+    description="BASIS with an online prompt probe as its prior (ridge on the prompts' hidden states, refit on "
+                "earlier steps); b_i never uses r_i",
+    fn="basis_lite.estimators.poise:basis_probe", check_options=probe_options.validate_basis_probe,
+    replay_capacity=probe_options.replay_capacity_probe))
+register(EstimatorSpec(
+    "poise", min_rollouts=2, uses_features=True, uses_trajectory=True,
+    description="POISE: each rollout's baseline is an online probe's prediction from the OTHER rollouts of its "
+                "prompt (their hidden states and token entropies), refit on earlier steps; b_i never uses r_i",
+    fn="basis_lite.estimators.poise:poise", check_options=probe_options.validate_poise,
+    replay_capacity=probe_options.replay_capacity_poise))

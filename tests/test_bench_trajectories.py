@@ -1,0 +1,89 @@
+"""bench/record_trajectories.py, bench/value_mse.py --trajectories and the online-probe arms of bench/learning.py on
+the smoke preset: their bookkeeping (not the numbers a real run gives)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO, VARIED, sets, step_records, train_smoke
+
+
+def _module(name, file):
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / file)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+OVERRIDES = VARIED + ["train.steps=3", "train.batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory):
+    d = tmp_path_factory.mktemp("traj")
+    out = d / "trajectories_smoke.npz"
+    rt = _module("bench_record_trajectories", "record_trajectories.py")
+    assert rt.main(["--preset", "smoke", "--record-steps", "2", "3", "--probe-prompts", "6", "--samples", "4",
+                    "--out", str(out), "--runs", str(d / "rec"), *sets(OVERRIDES)]) == 0
+    return d, out
+
+
+def test_recording_leaves_the_training_run_as_it_is(recording, tmp_path):
+    d, out = recording
+    plain = train_smoke(tmp_path / "plain", *OVERRIDES)
+    want, got = step_records(plain), step_records(d / "rec")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for a, b in zip(want, got):
+        for k in ("reward_mean", "baseline_mean", "loss", "grad_norm", "completion_len"):
+            assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), (a["step"], k)
+    with np.load(out) as z:
+        meta = json.loads(str(z["meta"]))
+        assert z["train_rewards"].shape == (3, 4, 2)  # the run's rollout + one recorded sibling
+        assert z["train_trajectory"].shape[:3] == (3, 4, 2) and z["probe_rewards"].shape == (2, 6, 4)
+        assert z["probe_trajectory"].shape[:3] == (2, 6, 4)
+        assert z["probe_prompt_features"].shape[:2] == (2, 6)
+        recorded = z["train_rewards"][:, :, 0].mean(1)
+    assert meta["kind"] == "trajectories" and meta["record_steps"] == [2, 3] and len(meta["train_ids"]) == 3
+    np.testing.assert_allclose(recorded, [r["reward_mean"] for r in want], rtol=1e-6)
+
+
+def test_value_mse_on_trajectories(recording):
+    d, out = recording
+    vm = _module("bench_value_mse_t", "value_mse.py")
+    prefix = d / "vmt"
+    assert vm.main(["--trajectories", str(out), "--batch-sizes", "3", "6", "--resamples", "2", "--min-rows", "4",
+                    "--out", str(prefix), "--no-plot"]) == 0
+    rep = json.loads(prefix.with_suffix(".json").read_text())
+    assert list(rep["steps"]) == ["2", "3"]
+    for t, s in rep["steps"].items():
+        # a probe at step t reads the training steps before t only: 4 rows a step (8 with the siblings)
+        assert s["buffer_rows_one_rollout"] == 4 * (int(t) - 1) and s["buffer_rows_two_rollouts"] == 8 * (int(t) - 1)
+        assert s["probes"]["poise:default"]["warm"] and s["probes"]["basis_probe:default"]["warm"]
+        assert list(s["results"]) == ["3", "6"]
+        cell = s["results"]["6"]
+        for name in ("reinforce_pp", "rloo_G2", "rloo_G2_emp", "group_mean_G8", "basis:default",
+                     "basis_probe:default", "poise:default", "poise:+reward", "x:sibling_shrunk"):
+            assert {"mse", "mse_raw", "truth_noise", "ratio"} <= set(cell[name]), name
+        assert cell["group_mean_G8"]["mse"] < cell["group_mean_G2"]["mse"]
+    md = prefix.with_suffix(".md").read_text()
+    assert md.startswith("# Value-estimate MSE of online probes") and "## Targets on the mid-training steps" in md
+
+
+def test_learning_arms_for_the_probe_estimators():
+    lm = _module("bench_learning_arms", "learning.py")
+    assert lm.arm_overrides("poise", 32, 4)[-1] == "train.batch_size=16"
+    assert lm.arm_overrides("rloo2", 32, 4)[:2] == ["estimator.name=rloo", "estimator.rollouts_per_prompt=2"]
+    assert lm.arm_overrides("poise_wide", 32, 4)[-1] == "train.batch_size=32"
+    assert lm.arm_overrides("basis_probe", 32, 4)[0] == "estimator.name=basis_probe"
+    args = lm.parse_args(["--preset", "smoke", "--steps", "2", "--arms", "basis_probe,rloo2,poise,poise_wide",
+                          "--set", "train.batch_size=8"])
+    plans, _ = lm.plan_arms(args)
+    assert {a: p["rollouts_per_step"] for a, p in plans.items()} == {"basis_probe": 8, "rloo2": 8, "poise": 8,
+                                                                     "poise_wide": 16}
+    assert lm.parse_args(["--preset", "smoke"]).arms == list(lm.DEFAULT_ARMS)
+    with pytest.raises(lm.ConfigError, match="odd"):
+        lm.arm_overrides("poise", 7, 4)
