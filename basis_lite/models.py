@@ -416,6 +416,49 @@ def decoder_layers(model):
     return layers
 
 
+class _StopForward(Exception):
+    pass
+
+
+def middle_layer_states(model, seqs: list[list[int]], pad_id: int, layer_index: int | None = None,
+                        batch_size: int = 16):
+    """Yield (start, [b, T, H] float32 states of decoder layer `layer_index`, the middle one by default) for the
+    token sequences `seqs[start:start + b]`, right-padded (positions count from 0, as in generate()).
+
+    One no-grad forward per chunk that stops right after that layer: the layers above it and the head never run.
+    """
+    layers = decoder_layers(model)
+    li = len(layers) // 2 if layer_index is None else layer_index
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(base, "model", base)
+    device = next(model.parameters()).device
+    captured: list[torch.Tensor] = []
+
+    def hook(_module, _inp, output):
+        captured.append(output[0] if isinstance(output, tuple) else output)
+        raise _StopForward
+
+    handle = layers[li].register_forward_hook(hook)
+    try:
+        with inference_mode(model):
+            for s in range(0, len(seqs), batch_size):
+                chunk = seqs[s:s + batch_size]
+                T = max(len(x) for x in chunk)
+                ids = torch.full((len(chunk), T), pad_id, dtype=torch.long)
+                attn = torch.zeros((len(chunk), T), dtype=torch.long)
+                for i, x in enumerate(chunk):
+                    ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
+                    attn[i, :len(x)] = 1
+                captured.clear()
+                try:
+                    body(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+                except _StopForward:
+                    pass
+                yield s, captured[0].float()
+    finally:
+        handle.remove()
+
+
 @contextlib.contextmanager
 def inference_mode(model):
     """Eval mode for generation: the KV cache works (checkpointing only acts in train mode), dropout off."""

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from ..models import decoder_layers, inference_mode
+from ..models import middle_layer_states
 
 STATS = ("entropy_mean", "entropy_max", "answer_entropy", "answer_logprob", "logprob_mean", "log_length",
          "finished")
@@ -171,46 +171,16 @@ def completion_hidden_states(model, prompt_ids: list[list[int]], completion_ids:
     that produced the last ``tokens`` completion tokens (positions P-1 .. P+L-2 for a prompt of P tokens and a
     completion of L tokens). Sequences are right-padded, so positions count from 0 as in generate().
     """
-    from .vllm import _StopForward  # the early-exit exception of the prompt-feature forward
-
-    layers = decoder_layers(model)
-    li = len(layers) // 2 if layer_index is None else layer_index
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    body = getattr(base, "model", base)
-    device = next(model.parameters()).device
-    captured: list[torch.Tensor] = []
-
-    def hook(_module, _inp, output):
-        captured.append(output[0] if isinstance(output, tuple) else output)
-        raise _StopForward
-
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     feats = []
-    handle = layers[li].register_forward_hook(hook)
-    try:
-        with inference_mode(model):
-            for s in range(0, len(prompt_ids), batch_size):
-                seqs = [list(p) + list(c) for p, c in zip(prompt_ids[s:s + batch_size], completion_ids[s:s + batch_size])]
-                T = max(len(x) for x in seqs)
-                ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-                attn = torch.zeros((len(seqs), T), dtype=torch.long)
-                for i, x in enumerate(seqs):
-                    ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
-                    attn[i, :len(x)] = 1
-                captured.clear()
-                try:
-                    body(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
-                except _StopForward:
-                    pass
-                h = captured[0].float()
-                for i, (p, c) in enumerate(zip(prompt_ids[s:s + batch_size], completion_ids[s:s + batch_size])):
-                    P, L = len(p), len(c)
-                    if L == 0:
-                        feats.append(torch.zeros(h.shape[-1]))
-                        continue
-                    lo = max(P - 1, P + L - 1 - tokens)
-                    feats.append(h[i, lo:P + L - 1].mean(0).cpu())
-    finally:
-        handle.remove()
+    for s, h in middle_layer_states(model, seqs, pad_id, layer_index, batch_size):
+        for i, (p, c) in enumerate(zip(prompt_ids[s:s + batch_size], completion_ids[s:s + batch_size])):
+            P, L = len(p), len(c)
+            if L == 0:
+                feats.append(torch.zeros(h.shape[-1]))
+                continue
+            lo = max(P - 1, P + L - 1 - tokens)
+            feats.append(h[i, lo:P + L - 1].mean(0).cpu())
     return torch.stack(feats) if feats else torch.zeros(0, 0)
 
 

@@ -66,7 +66,7 @@ import weakref
 
 import torch
 
-from ..models import ModelError, decoder_layers, inference_mode, resolve_model_path
+from ..models import ModelError, middle_layer_states, resolve_model_path
 from .base import Rollout, SamplingParams, stop_token_ids
 
 log = logging.getLogger("basis_lite")
@@ -172,10 +172,6 @@ def adapter_disabled(model) -> bool:
 TRAJECTORY_TOPK = 20  # top-k log-probs asked of vLLM per token when trajectory features are wanted
 
 
-class _StopForward(Exception):
-    pass
-
-
 def prompt_features(model, prompt_ids: list[list[int]], pad_id: int, layer_index: int | None = None,
                     feature_tokens: int = 4, batch_size: int = 16) -> torch.Tensor:
     """[N, H] float32 prompt features: the mean of the last `feature_tokens` positions of a middle decoder layer.
@@ -183,41 +179,12 @@ def prompt_features(model, prompt_ids: list[list[int]], pad_id: int, layer_index
     The same quantity the HF engine captures from generate()'s prefill. Prompts are right-padded (positions of the
     real tokens are then 0..L-1, as in generate), and the forward stops right after the chosen layer.
     """
-    layers = decoder_layers(model)
-    li = len(layers) // 2 if layer_index is None else layer_index
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    body = getattr(base, "model", base)
-    device = next(model.parameters()).device
     feats = []
-    captured: list[torch.Tensor] = []
-
-    def hook(_module, _inp, output):
-        captured.append(output[0] if isinstance(output, tuple) else output)
-        raise _StopForward
-
-    handle = layers[li].register_forward_hook(hook)
-    try:
-        with inference_mode(model):
-            for s in range(0, len(prompt_ids), batch_size):
-                chunk = prompt_ids[s:s + batch_size]
-                lens = [len(x) for x in chunk]
-                T = max(lens)
-                ids = torch.full((len(chunk), T), pad_id, dtype=torch.long)
-                attn = torch.zeros((len(chunk), T), dtype=torch.long)
-                for i, x in enumerate(chunk):
-                    ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
-                    attn[i, :len(x)] = 1
-                captured.clear()
-                try:
-                    body(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
-                except _StopForward:
-                    pass
-                h = captured[0].float()
-                for i, n in enumerate(lens):
-                    k = min(feature_tokens, n)
-                    feats.append(h[i, n - k:n].mean(dim=0).cpu())
-    finally:
-        handle.remove()
+    for s, h in middle_layer_states(model, prompt_ids, pad_id, layer_index, batch_size):
+        for i, x in enumerate(prompt_ids[s:s + batch_size]):
+            n = len(x)
+            k = min(feature_tokens, n)
+            feats.append(h[i, n - k:n].mean(dim=0).cpu())
     return torch.stack(feats)
 
 
