@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import shutil
 import statistics
@@ -79,7 +80,8 @@ def run_one(n: int, args, work: Path) -> dict:
            "threads_per_rank": threads, "steps": len(steps), "timed_steps": len(timed), "wall_s": wall,
            "command": " ".join(cmd[1:])}
     for f in SPEED_FIELDS:
-        vals = [r[f] for r in timed if isinstance(r.get(f), (int, float))]
+        # finite values only: explained variance is NaN on a step whose rewards are all equal
+        vals = [r[f] for r in timed if isinstance(r.get(f), (int, float)) and math.isfinite(r[f])]
         out[f] = statistics.fmean(vals) if vals else float("nan")
     out["steps_per_s"] = 1.0 / out["step_s"]
     out["prompts_per_s"] = out["global_batch"] / out["step_s"]
