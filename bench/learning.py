@@ -532,9 +532,12 @@ def write_md(report: dict, path: Path) -> None:
                          + "; per seed " + ", ".join(f"{sd}: {d:+.3f}" for sd, d in pr["final_accuracy_diff"].items())
                          + f"; training clock {pr['clock_ratio']:.2f}x {pr['vs']}'s.")
     m = report.get("machine", {})
-    lines += ["", f"Machine: {m.get('cpu', '?')}, {m.get('affinity_cpus', m.get('cpu_count'))} CPUs usable, "
-              f"torch {m.get('torch', '?')}, train.threads={sh.get('threads') or 'all'}; load average at start "
-              f"{m.get('loadavg')}.", ""]
+    flags = m.get("cpu_flags") or {}
+    has = " ".join(k for k, v in flags.items() if v) or "?"
+    lacks = " ".join(k for k, v in flags.items() if not v)
+    lines += ["", f"Machine: {m.get('cpu_model', m.get('cpu', '?'))}, {m.get('cores', m.get('cpu_count', '?'))} "
+              f"cores; flags: {has}" + (f"; without {lacks}" if lacks else "") + f"; torch {m.get('torch', '?')}, "
+              f"train.threads={sh.get('threads') or 'all'}; commit {str(m.get('git_commit', '?'))[:10]}.", ""]
     loads = [(a, report["arms"][a].get("last_invocation")) for a in arms]
     loads = [(a, li) for a, li in loads if li]
     if loads:
