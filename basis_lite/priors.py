@@ -100,15 +100,10 @@ def load_or_compute_prior(cfg, cache_root: Path, engine, model, examples, prompt
     """
     key = prior_key(cfg, prompts, k)
     path = prior_cache_path(cache_root, key)
-    if path.exists():
-        table, why = _read_table(path, key, [ex.id for ex in examples], k)
-        if table is not None:
-            table["cached"] = True
-            return table
-        aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
-        os.replace(path, aside)
-        log.warning("prior cache file %s is damaged (%s); moved it to %s and computing the prior again", path,
-                    why, aside.name)
+    table = _cached_table(path, key, [ex.id for ex in examples], k)
+    if table is not None:
+        table["cached"] = True
+        return table
     t0 = time.time()
     counts = compute_prior_counts(engine, model, examples, prompts, scorer, params, k, progress=progress,
                                   data_cfg=cfg.data)
@@ -117,6 +112,20 @@ def load_or_compute_prior(cfg, cache_root: Path, engine, model, examples, prompt
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(table))
     table["cached"] = False
+    return table
+
+
+def _cached_table(path: Path, key: str, ids: list[str], k: int) -> dict | None:
+    """The cached table at `path`, or None: none there, or a damaged one, which is named in a warning and moved
+    aside (`<key>.json.corrupt-<time>`) so the caller computes the prior again."""
+    if not path.exists():
+        return None
+    table, why = _read_table(path, key, ids, k)
+    if table is None:
+        aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(path, aside)
+        log.warning("prior cache file %s is damaged (%s); moved it to %s and computing the prior again", path,
+                    why, aside.name)
     return table
 
 
@@ -149,14 +158,7 @@ def load_or_compute_seeded_prior(cfg, cache_root: Path, engine, model, examples,
 
     key = prior_key(cfg, prompts, k, per_prompt=True)
     path = prior_cache_path(cache_root, key)
-    table = None
-    if ranks.is_main and path.exists():
-        table, why = _read_table(path, key, [ex.id for ex in examples], k)
-        if table is None:
-            aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
-            os.replace(path, aside)
-            log.warning("prior cache file %s is damaged (%s); moved it to %s and computing the prior again", path,
-                        why, aside.name)
+    table = _cached_table(path, key, [ex.id for ex in examples], k) if ranks.is_main else None
     t0 = time.time()
     if ranks.broadcast_floats([1.0 if table is not None else 0.0])[0]:
         sent = [float(table["counts"].get(ex.id, 0)) for ex in examples] if table is not None else [0.0] * len(examples)

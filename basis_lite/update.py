@@ -179,7 +179,7 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
     # micro-batches of similar lengths: each is padded to its longest sequence, so sorting wastes fewer FLOPs
     idx.sort(key=lambda i: len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids))
     mbs = [idx[s:s + t.micro_batch_size] for s in range(0, len(idx), t.micro_batch_size)]
-    stats = {"loss": 0.0, "kl": 0.0, "entropy_sum": 0.0, "clip_fraction": 0.0, "trained_sequences": len(idx)}
+    stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}  # entropy and trained_sequences: set by the first pass
     eapo_w: list = [None] * len(rollouts)
     if cfg.eapo.prior_adapter:
         eapo_w, eapo_stats = eapo_token_weights(cfg, rollouts)
@@ -187,8 +187,7 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
     acc = {"sum": 0.0, "n": 0, "max": 0.0, "truncated": 0}
     first_pass: dict = {}  # micro-batch -> (old log-probs, weights) of the first pass, for the later ones
     model.train()
-    ent_tokens = 0
-    ok, grad_norms, passes, trained = True, [], 0, len(idx)
+    ok, grad_norms, passes = True, [], 0
     params = [p for p in model.parameters() if p.requires_grad]
     for epoch in range(t.ppo_epochs):
         ep = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
