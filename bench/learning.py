@@ -91,6 +91,7 @@ on the order of an hour on 2 cores). That cost is the point of counting it; to m
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -286,6 +287,11 @@ def machine_info() -> dict:
     return info
 
 
+@functools.lru_cache(maxsize=1)
+def _machine() -> dict:
+    return machine_info()
+
+
 def _loadavg():
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -362,6 +368,8 @@ def run_arm(arm: str, plan: dict, args, runs: Path) -> dict:
                                                                                else ""), file=sys.stderr, flush=True)
     else:
         print(f"[{arm}] finished in {wall:.0f} s", flush=True)
+    # where this arm's clock was measured: arms of one report can come from several invocations (and machines)
+    (runs / f"{arm}.machine.json").write_text(json.dumps(_machine(), indent=2))
     return info
 
 
@@ -453,6 +461,8 @@ def collect_arm(arm: str, runs: Path, plan: dict | None, old: dict | None, run_i
         "final_accuracy": (summary.get("eval_after") or {}).get("accuracy"),
         "run_seconds": summary.get("seconds"),
     })
+    if (runs / f"{arm}.machine.json").exists():
+        rec["machine"] = json.loads((runs / f"{arm}.machine.json").read_text())
     if run_info and not run_info.get("skipped"):
         rec["last_invocation"] = run_info
     return rec
@@ -475,6 +485,29 @@ def _acc(x) -> str:
 def _acc_se(p: dict) -> str:
     se = p.get("eval_accuracy_se")
     return f"{p['eval_accuracy']:.3f}" + (f" +- {se:.3f}" if se is not None else "")
+
+
+def _machine_line(m: dict) -> str:
+    flags = m.get("cpu_flags") or {}
+    has = " ".join(k for k, v in flags.items() if v) or "?"
+    lacks = " ".join(k for k, v in flags.items() if not v)
+    return (f"{m.get('cpu_model', m.get('cpu', '?'))}, {m.get('cores', m.get('cpu_count', '?'))} cores; flags: {has}"
+            + (f"; without {lacks}" if lacks else "") + f"; torch {m.get('torch', '?')}; commit "
+            f"{str(m.get('git_commit', '?'))[:10]}")
+
+
+def _machines(report: dict, arms: list[str]) -> dict[str, list[str]]:
+    """{machine line: the arms (arm@seed with seeds) measured there}; an arm without its own stamp ran where the
+    report's invocation did."""
+    default = report.get("machine", {})
+    groups = report.get("per_seed") or {None: report.get("arms", {})}
+    out: dict[str, list[str]] = {}
+    for sd, recs in groups.items():
+        for a in arms:
+            if a in recs:
+                out.setdefault(_machine_line(recs[a].get("machine") or default), []).append(
+                    a if sd is None else f"{a}@seed{sd}")
+    return out or {_machine_line(default): []}
 
 
 def write_md(report: dict, path: Path) -> None:
@@ -519,10 +552,12 @@ def write_md(report: dict, path: Path) -> None:
     if report.get("per_seed"):
         seeds = list(report["per_seed"])
         lines += ["", f"Means over seeds (train.seed) {', '.join(seeds)} +- the standard error over seeds; clocks are "
-                  "means. Final held-out accuracy per seed:", "",
+                  "means. Final held-out accuracy per seed (training clock):", "",
                   "| arm | " + " | ".join(f"seed {sd}" for sd in seeds) + " |", "|---|" + "---|" * len(seeds)]
         for a in arms:
-            cells = [_acc((report["per_seed"][sd].get(a) or {}).get("final_accuracy")) for sd in seeds]
+            recs = [report["per_seed"][sd].get(a) or {} for sd in seeds]
+            cells = [_acc(r.get("final_accuracy")) + (f" ({_fmt_clock(r['total_clock_s'])})" if r.get("points")
+                                                      else "") for r in recs]
             lines.append(f"| {a} | " + " | ".join(cells) + " |")
         for a, pr in report.get("paired", {}).items():
             lines.append("")
@@ -531,13 +566,13 @@ def write_md(report: dict, path: Path) -> None:
                             " (one seed)")
                          + "; per seed " + ", ".join(f"{sd}: {d:+.3f}" for sd, d in pr["final_accuracy_diff"].items())
                          + f"; training clock {pr['clock_ratio']:.2f}x {pr['vs']}'s.")
-    m = report.get("machine", {})
-    flags = m.get("cpu_flags") or {}
-    has = " ".join(k for k, v in flags.items() if v) or "?"
-    lacks = " ".join(k for k, v in flags.items() if not v)
-    lines += ["", f"Machine: {m.get('cpu_model', m.get('cpu', '?'))}, {m.get('cores', m.get('cpu_count', '?'))} "
-              f"cores; flags: {has}" + (f"; without {lacks}" if lacks else "") + f"; torch {m.get('torch', '?')}, "
-              f"train.threads={sh.get('threads') or 'all'}; commit {str(m.get('git_commit', '?'))[:10]}.", ""]
+    machines = _machines(report, arms)
+    if len(machines) == 1:
+        lines += ["", f"Machine: {next(iter(machines))}; train.threads={sh.get('threads') or 'all'}.", ""]
+    else:
+        lines += ["", f"Machines (the arms ran in several invocations; compare clocks within one machine only; "
+                  f"train.threads={sh.get('threads') or 'all'}):", ""]
+        lines += [f"- {', '.join(who)}: {line}" for line, who in machines.items()] + [""]
     loads = [(a, report["arms"][a].get("last_invocation")) for a in arms]
     loads = [(a, li) for a, li in loads if li]
     if loads:

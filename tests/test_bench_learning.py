@@ -101,6 +101,35 @@ def test_rerun_skips_finished_arms(bench, tmp_path):
     assert _run(_args(tmp_path / "out3", runs, steps=STEPS + 1), timeout=60).returncode == 2
 
 
+def test_every_run_arm_is_stamped_with_its_machine(bench):
+    out, runs, rep = bench
+    for arm in ARMS:
+        stamp = json.loads((runs / f"{arm}.machine.json").read_text())
+        assert stamp["cpu_model"] and "avx2" in stamp["cpu_flags"]
+        assert rep["arms"][arm]["machine"] == stamp
+    assert "Machine: " in (out / "learning.md").read_text()
+
+
+def test_seeds_from_two_machines_are_named_apart(mod, tmp_path):
+    """Seeds run in other invocations (here: seed 1 stamped by another machine, seed 0 unstamped, i.e. measured
+    where the report's invocation ran) get one machine line each, and per-seed cells carry their own clocks."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    _fake_run(runs / "seed0" / "basis", [(2.0, 1.0)], [0.1, 0.5], None)
+    _fake_run(runs / "seed1" / "basis", [(4.0, 4.0)], [0.2, 0.7], None)
+    other = {"cpu_model": "Other CPU", "cores": 2, "cpu_flags": {"avx2": True, "avx512f": True}, "torch": "9",
+             "git_commit": "abcdef1234567"}
+    (runs / "seed1" / "basis.machine.json").write_text(json.dumps(other))
+    assert mod.main(["--preset", "smoke", "--arms", "basis", "--seeds", "0", "1", "--out", str(out), "--runs",
+                     str(runs), "--analyze-only"]) == 0
+    rep = json.loads((out / "learning.json").read_text())
+    assert rep["per_seed"]["1"]["basis"]["machine"] == other and "machine" not in rep["per_seed"]["0"]["basis"]
+    md = (out / "learning.md").read_text()
+    assert "Machines (the arms ran in several invocations" in md
+    assert "- basis@seed1: Other CPU, 2 cores; flags: avx2 avx512f; torch 9; commit abcdef1234" in md
+    assert f"- basis@seed0: {mod._machine_line(rep['machine'])}" in md
+    assert "| basis | 0.500 (3.00 s) | 0.700 (8.00 s) |" in md
+
+
 def test_grpo8_needs_a_multiple_of_8(mod, tmp_path, capsys):
     rc = mod.main(["--preset", "smoke", "--arms", "grpo8", "--out", str(tmp_path / "o"), "--runs",
                    str(tmp_path / "r"), "--set", "train.batch_size=12"])
