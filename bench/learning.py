@@ -579,9 +579,12 @@ def write_md(report: dict, path: Path) -> None:
         lines.append("Load average (1/5/15 min) around each arm: " + "; ".join(
             f"{a} {li.get('loadavg_before')} -> {li.get('loadavg_after')}" for a, li in loads) + ".")
         lines.append("")
-    lines += [f"Command: `{report.get('command', '')}`", "",
-              f"Generated {report.get('created', '')} by bench/learning.py; data in learning.json, chart learning.png.",
-              ""]
+    lines += [f"Command: `{report.get('command', '')}`", ""]
+    if report.get("rebuilt_by"):
+        lines += [f"Rebuilt (no training) from the run folders, and from the earlier learning.json for arms whose "
+                  f"folders are gone, by `{report['rebuilt_by']}`.", ""]
+    lines += [f"Generated {report.get('created', '')} by bench/learning.py; data in learning.json, chart "
+              "learning.png.", ""]
     path.write_text("\n".join(lines))
 
 
@@ -788,6 +791,7 @@ def main(argv=None) -> int:
         "arms": {},
     }
     if args.analyze_only:
+        report["rebuilt_by"] = report["command"]  # the command of the runs stays the one recorded
         report["command"] = old.get("command", report["command"])
     same_preset = old.get("settings", {}).get("preset") in (None, args.preset)
     old_arms = old.get("arms", {}) if same_preset and "per_seed" not in old else {}

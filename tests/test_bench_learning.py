@@ -128,6 +128,7 @@ def test_seeds_from_two_machines_are_named_apart(mod, tmp_path):
     assert "- basis@seed1: Other CPU, 2 cores; flags: avx2 avx512f; torch 9; commit abcdef1234" in md
     assert f"- basis@seed0: {mod._machine_line(rep['machine'])}" in md
     assert "| basis | 0.500 (3.00 s) | 0.700 (8.00 s) |" in md
+    assert "--analyze-only" in rep["rebuilt_by"] and "Rebuilt (no training) from the run folders" in md
 
 
 def test_grpo8_needs_a_multiple_of_8(mod, tmp_path, capsys):
