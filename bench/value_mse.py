@@ -245,6 +245,38 @@ def _sq_err(b: np.ndarray, pol: np.ndarray, used: np.ndarray) -> tuple[np.ndarra
     return raw, noise
 
 
+class ErrorSums:
+    """Per-prompt sums, over the resamples that drew each prompt, of every baseline's squared error and of the
+    noise of its truth (``_sq_err``); ``per_prompt`` turns them into per-prompt means and adds the group rows that
+    are exact in expectation."""
+
+    def __init__(self, names: list[str], n_prompts: int):
+        self.raw = {n: np.zeros(n_prompts) for n in names}
+        self.noise = {n: np.zeros(n_prompts) for n in names}
+        self.count = np.zeros(n_prompts)
+
+    def add(self, name: str, idx: np.ndarray, b: np.ndarray, pol: np.ndarray, used: np.ndarray) -> None:
+        raw, noise = _sq_err(b, pol, used)
+        self.raw[name][idx] += raw
+        self.noise[name][idx] += noise
+
+    def per_prompt(self, s2_all: np.ndarray) -> tuple[dict, dict, dict]:
+        """(MSE with the truth noise taken out, raw MSE, truth noise) per prompt drawn at least once; the group mean
+        and RLOO of G rollouts are exact: V(1 - V)/G and V(1 - V)/(G - 1), with ``s2_all`` each prompt's unbiased
+        reward variance (V(1 - V) for 0/1 rewards)."""
+        seen = self.count > 0
+        c = self.count[seen]
+        per = {n: (self.raw[n][seen] - self.noise[n][seen]) / c for n in self.raw}
+        per_raw = {n: self.raw[n][seen] / c for n in self.raw}
+        per_noise = {n: self.noise[n][seen] / c for n in self.raw}
+        s2 = s2_all[seen]
+        for g in GROUP_SIZES:
+            per[f"group_mean_G{g}"] = per_raw[f"group_mean_G{g}"] = s2 / g
+            per[f"rloo_G{g}"] = per_raw[f"rloo_G{g}"] = s2 / (g - 1)
+            per_noise[f"group_mean_G{g}"] = per_noise[f"rloo_G{g}"] = np.zeros_like(s2)
+        return per, per_raw, per_noise
+
+
 def run_scenario(sc: Scenario, specs: list[dict], batch_sizes: list[int], resamples: int, rng: np.random.Generator,
                  group_emp: bool = True) -> dict:
     N = sc.pol.shape[0]
@@ -258,9 +290,7 @@ def run_scenario(sc: Scenario, specs: list[dict], batch_sizes: list[int], resamp
         names = [s["name"] for s in specs]
         emp_groups = [g for g in GROUP_SIZES if group_emp and g <= M - 2]
         names_all = names + [f"group_mean_G{g}_emp" for g in emp_groups] + [f"rloo_G{g}_emp" for g in emp_groups]
-        s_raw = {n: np.zeros(N) for n in names_all}
-        s_noise = {n: np.zeros(N) for n in names_all}
-        cnt = np.zeros(N)
+        sums = ErrorSums(names_all, N)
         t0 = time.time()
         for _ in range(R):
             idx = np.sort(rng.choice(N, size=B, replace=False))
@@ -312,34 +342,19 @@ def run_scenario(sc: Scenario, specs: list[dict], batch_sizes: list[int], resamp
                         p = prior_values(ids, table, hp) if (table is not None or hp) else None
                     b = basis_baseline(r_t, None if p is None else p.double(), f_t, **s["opts"]).numpy()
                     used = used_h if s.get("history") else used_none
-                raw, noise = _sq_err(b, pol, used)
-                s_raw[s["name"]][idx] += raw
-                s_noise[s["name"]][idx] += noise
+                sums.add(s["name"], idx, b, pol, used)
             for g in emp_groups:
                 used_g = np.zeros_like(used_none)
                 used_g[:, :g] = True
                 gm = pol[:, :g].mean(1)
                 rl = pol[:, 1:g].mean(1)
                 for n, b in ((f"group_mean_G{g}_emp", gm), (f"rloo_G{g}_emp", rl)):
-                    raw, noise = _sq_err(b, pol, used_g)
-                    s_raw[n][idx] += raw
-                    s_noise[n][idx] += noise
-            cnt[idx] += 1
-        seen = cnt > 0
-        per_prompt = {n: (s_raw[n][seen] - s_noise[n][seen]) / cnt[seen] for n in names_all}
-        per_raw = {n: s_raw[n][seen] / cnt[seen] for n in names_all}
-        per_noise = {n: s_noise[n][seen] / cnt[seen] for n in names_all}
-        # group estimators, exact in expectation: MSE = V(1 - V)/G (group mean), V(1 - V)/(G - 1) (RLOO)
+                    sums.add(n, idx, b, pol, used_g)
+            sums.count[idx] += 1
         pol_cols = sc.pol if not sc.shared else sc.ref  # shared: all reference samples estimate V(1 - V)
         pm = pol_cols.mean(1)
         mm = pol_cols.shape[1]
-        s2 = (pm * (1 - pm) * mm / (mm - 1))[seen]
-        for g in GROUP_SIZES:
-            per_prompt[f"group_mean_G{g}"] = s2 / g
-            per_prompt[f"rloo_G{g}"] = s2 / (g - 1)
-            per_raw[f"group_mean_G{g}"] = s2 / g
-            per_noise[f"group_mean_G{g}"] = per_noise[f"rloo_G{g}"] = np.zeros_like(s2)
-            per_raw[f"rloo_G{g}"] = s2 / (g - 1)
+        per_prompt, per_raw, per_noise = sums.per_prompt(pm * (1 - pm) * mm / (mm - 1))
         res[B] = _summarise(per_prompt, per_raw, per_noise, rng, R, time.time() - t0)
     return res
 
@@ -550,7 +565,7 @@ def recommend(report: dict, ks: list[int]) -> dict:
             vals = [scen[sk]["results"][B][n]["ratio"] for sk, B in cells if n in scen[sk]["results"][B]]
             if len(vals) == len(cells) and all(v > 0 for v in vals):
                 score[n] = float(np.exp(np.mean(np.log(vals))))
-        return sorted(score.items(), key=lambda kv: kv[1])
+        return sorted(score.items(), key=lambda kv: (kv[1], kv[0]))  # ties by name: the same order every run
 
     ranked, ranked_x = rank("basis:", drift_cells), rank("x:", drift_cells)
     ranked_all = rank("basis:", all_cells)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from value_mse import GROUP_SIZES, _fmt, _sq_err, _summarise
+from value_mse import ErrorSums, _fmt, _summarise
 
 from basis_lite.estimators import EstimatorContext
 from basis_lite.estimators.basis import basis_baseline
@@ -117,9 +117,7 @@ def analyse_step(rec: dict, ti: int, batch_sizes: list[int], resamples: int, rng
     for B in sorted({min(b, P) for b in batch_sizes}):
         R = max(min(10, resamples), math.ceil(resamples * 32 / B))
         names = ["reinforce_pp", "rloo_G2_emp", "x:sibling_shrunk", "basis:default", *variants]
-        s_raw = {n: np.zeros(P) for n in names}
-        s_noise = {n: np.zeros(P) for n in names}
-        cnt = np.zeros(P)
+        sums = ErrorSums(names, P)
         t0 = time.time()
         for _ in range(R):
             idx = np.sort(rng.choice(P, size=B, replace=False))
@@ -149,19 +147,9 @@ def analyse_step(rec: dict, ti: int, batch_sizes: list[int], resamples: int, rng
                     _, base = basis_probe_with_probe(r[:, :1], ctx, probe)
                     out[name] = (base[:, 0].double().numpy(), none)
             for name, (b, used) in out.items():
-                raw, noise = _sq_err(b, pol, used)
-                s_raw[name][idx] += raw
-                s_noise[name][idx] += noise
-            cnt[idx] += 1
-        seen = cnt > 0
-        per = {n: (s_raw[n][seen] - s_noise[n][seen]) / cnt[seen] for n in names}
-        per_raw = {n: s_raw[n][seen] / cnt[seen] for n in names}
-        per_noise = {n: s_noise[n][seen] / cnt[seen] for n in names}
-        s2 = pol_all.var(1, ddof=1)[seen]  # unbiased per-prompt reward variance: V(1 - V) for 0/1 rewards
-        for g in GROUP_SIZES:
-            per[f"group_mean_G{g}"] = per_raw[f"group_mean_G{g}"] = s2 / g
-            per[f"rloo_G{g}"] = per_raw[f"rloo_G{g}"] = s2 / (g - 1)
-            per_noise[f"group_mean_G{g}"] = per_noise[f"rloo_G{g}"] = np.zeros_like(s2)
+                sums.add(name, idx, b, pol, used)
+            sums.count[idx] += 1
+        per, per_raw, per_noise = sums.per_prompt(pol_all.var(1, ddof=1))
         res[B] = _summarise(per, per_raw, per_noise, rng, R, time.time() - t0)
     pm = pol_all.mean(1)
     return {"step": t, "n_prompts": P, "samples": K, "mean_reward": float(pol_all.mean()),
