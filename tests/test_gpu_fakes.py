@@ -320,6 +320,7 @@ def test_plain_vllm_engine_with_fake_llm_saves_a_fresh_adapter_each_sync(tiny, f
 
 def test_make_vllm_engine_picks_the_engine_and_explains_a_missing_vllm(tiny, monkeypatch, fake_vllm_module):
     from basis_lite.engines import vllm as ev
+    from basis_lite.models import resolve_dtype
     from basis_lite.runtime import make_engine
 
     cfg, model, tok = tiny
@@ -344,7 +345,9 @@ def test_make_vllm_engine_picks_the_engine_and_explains_a_missing_vllm(tiny, mon
     engine = make_engine(cfg_v, model, tok, "hf")
     assert isinstance(engine, ev.PlainVLLMEngine) and torch.get_num_threads() == threads
     assert seen["enable_lora"] is True and seen["max_loras"] == 1 and seen["max_lora_rank"] == 8  # r=4 -> 8
-    assert seen["max_model_len"] == cfg_v.model.max_seq_length and seen["dtype"] == "float32"
+    # the engine runs in the trainer's dtype: model.dtype auto is fp32 on most CPUs, bf16 where the CPU has native bf16
+    want = str(resolve_dtype(cfg_v.model.dtype, CPU)).replace("torch.", "")
+    assert seen["max_model_len"] == cfg_v.model.max_seq_length and seen["dtype"] == want
     assert "gpu_memory_utilization" not in seen and seen["enforce_eager"] is True  # CPU
     import os
 
