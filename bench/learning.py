@@ -272,6 +272,7 @@ def worker(spec_path: str) -> int:
 # the driver
 
 
+@functools.lru_cache(maxsize=1)
 def machine_info() -> dict:
     """Where this was measured (git commit, CPU model and speed flags, versions); see bench/provenance.py."""
     from provenance import provenance
@@ -285,11 +286,6 @@ def machine_info() -> dict:
     except Exception:  # noqa: BLE001 - versions are informative only
         pass
     return info
-
-
-@functools.lru_cache(maxsize=1)
-def _machine() -> dict:
-    return machine_info()
 
 
 def _loadavg():
@@ -369,7 +365,7 @@ def run_arm(arm: str, plan: dict, args, runs: Path) -> dict:
     else:
         print(f"[{arm}] finished in {wall:.0f} s", flush=True)
     # where this arm's clock was measured: arms of one report can come from several invocations (and machines)
-    (runs / f"{arm}.machine.json").write_text(json.dumps(_machine(), indent=2))
+    (runs / f"{arm}.machine.json").write_text(json.dumps(machine_info(), indent=2))
     return info
 
 
