@@ -8,8 +8,10 @@ each rollout's trajectory feature, engines/trajectory.py):
   each of its prompts from the same policy (not trained on: they give a 2-rollout estimator's buffer its sibling
   targets, as a POISE run's own buffer would have them);
 - at each of ``--record-steps`` t (before step t's update, so from the policy that sampled step t's batch): a fixed
-  set of ``--probe-prompts`` training prompts (the first P of the train split) with ``--samples`` K rollouts each,
-  the Monte-Carlo truth of their values.
+  set of ``--probe-prompts`` training prompts (a uniform sample of the train split, seeded by ``data.seed``, so its
+  mix of problem kinds is the training batches' mix) with ``--samples`` K rollouts each, the Monte-Carlo truth of
+  their values. (Not the first P of the split: the built-in tasks draw their splits round-robin over the levels, so
+  the head of the train split over-represents small levels that the rest of it barely holds.)
 
 Extra samples are drawn with the torch RNG saved and restored around them, and trajectory capture changes no
 sampled token (tests/test_trajectory.py), so the training run itself is the run the preset makes without recording.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -43,6 +46,12 @@ for _p in (ROOT, ROOT / "bench"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 RESULTS = ROOT / "bench" / "results"
+
+
+def probe_examples(train_examples: list, n: int, seed: int) -> list:
+    """The fixed probe prompts: n of the train split drawn uniformly (seeded), in the split's order."""
+    pick = random.Random(f"probe-prompts/{seed}").sample(range(len(train_examples)), min(n, len(train_examples)))
+    return [train_examples[i] for i in sorted(pick)]
 
 
 def main(argv=None) -> int:
@@ -87,7 +96,7 @@ def main(argv=None) -> int:
     run_dir.mkdir(parents=True)  # trainer.setup writes into a folder train() has claimed
     run = trainer.setup(cfg, run_dir, resume=False, progress=False)
     G = cfg.estimator.rollouts_per_prompt
-    probe_ex = load_examples(cfg.data, "train")[:a.probe_prompts]
+    probe_ex = probe_examples(load_examples(cfg.data, "train"), a.probe_prompts, cfg.data.seed)
     probe_prompts = [format_prompt(run.tok, ex.question, cfg.data) for ex in probe_ex]
     gen = params_from_config(cfg.generation, n=G)
     extra = params_from_config(cfg.generation, n=a.train_siblings) if a.train_siblings else None
@@ -97,6 +106,7 @@ def main(argv=None) -> int:
     meta = {"kind": "trajectories", "preset": a.preset, "config": to_dict(cfg), "family": cfg.data.dataset,
             "steps": steps, "record_steps": record, "batch_size": B, "rollouts_per_prompt": G,
             "train_siblings": a.train_siblings, "probe_prompts": P, "samples": K,
+            "probe_selection": "uniform sample of the train split",
             "probe_ids": [ex.id for ex in probe_ex], "probe_questions": [ex.question for ex in probe_ex],
             "probe_answers": [ex.answer for ex in probe_ex], "train_ids": [], "stats": list(STATS),
             "feature_layer": getattr(run.engine, "feature_layer", None),

@@ -40,6 +40,8 @@ Online probes on real training trajectories (``bench/record_trajectories.py`` re
 bench/value_mse_trajectories.py): every estimator at step t reads only steps < t and the current batch.
 
     python bench/value_mse.py --trajectories          # bench/results/trajectories_*.npz -> value_mse_trajectories.*
+    python bench/value_mse.py --trajectories --kinds add2 --out bench/results/value_mse_trajectories_add2
+        # only the probe prompts of the problem kinds the training batches draw (98 % add2 on the default preset)
 """
 from __future__ import annotations
 
@@ -675,6 +677,9 @@ def main(argv=None) -> int:
     ap.add_argument("--buffer-size", type=int, default=4096, help="--trajectories: replay buffer rows")
     ap.add_argument("--min-rows", type=int, default=None,
                     help="--trajectories: buffer rows every probe needs before use (default: each variant's own)")
+    ap.add_argument("--kinds", default=None,
+                    help="--trajectories: comma list of problem kinds (prompt id task/KIND/index) to keep of the "
+                         "probe prompts, e.g. add2 (default: all)")
     ap.add_argument("--resamples", type=int, default=60, help="resampled batches at B=32 (fewer at larger B)")
     ap.add_argument("--ks", type=int, nargs="*", default=[2, 4, 8], help="prior sizes K (reference samples)")
     ap.add_argument("--default-k", type=int, default=None, help="K of the default checked against the targets")
@@ -693,7 +698,8 @@ def main(argv=None) -> int:
         out = Path(a.out) if a.out != str(RESULTS / "value_mse") else RESULTS / "value_mse_trajectories"
         variants = None if a.variants is None else [v for v in a.variants if v in vt.PROBE_VARIANTS]
         return vt.main(paths, a.batch_sizes or [16, 32, 64, 128], a.resamples, a.seed, out, a.no_plot, cmd.strip(),
-                       a.buffer_size, variants, a.min_rows)
+                       a.buffer_size, variants, a.min_rows,
+                       [k for k in a.kinds.split(",") if k] if a.kinds else None)
     a.batch_sizes = a.batch_sizes or [32, 64, 128, 256]
     paths = a.recordings or sorted(glob.glob(str(RESULTS / "rollouts_*.npz")))
     if not paths:

@@ -22,6 +22,11 @@ Rows (rollouts per prompt in brackets): ``reinforce_pp`` (1), ``rloo_G2`` (2, ex
 resampled), ``group_mean_G2/G4/G8`` (G, exact), ``x:sibling_shrunk`` (2: the sibling's reward shrunk halfway to the
 other prompts' mean), ``basis:default`` (1, no prior), ``basis_probe:<v>`` (1) and ``poise:<v>`` (2), the variants
 in ``PROBE_VARIANTS``.
+
+``--kinds add2`` (``analyse(kinds=...)``) scores only the probe prompts of those problem kinds (a built-in task's
+prompt id is ``task/kind/index``); the report always gives the kind mix of the training batches and of the probe
+prompts, which should match (recordings made before the recorder sampled its probe prompts uniformly took the head
+of the train split, whose mix is not the batches').
 """
 from __future__ import annotations
 
@@ -74,6 +79,36 @@ def load(path: str | Path) -> dict:
     for k, v in arr.items():
         rec[k] = v.astype(np.float32)
     return rec
+
+
+def kind_of(prompt_id: str) -> str:
+    """The problem kind of a built-in task's prompt id ``task/kind/index`` (e.g. ``add2``); other ids: the id's head."""
+    parts = str(prompt_id).split("/")
+    return parts[1] if len(parts) == 3 else parts[0]
+
+
+def kind_mix(ids) -> dict[str, float]:
+    """{kind: share of the ids}, largest first."""
+    kinds = [kind_of(i) for i in ids]
+    shares = {k: kinds.count(k) / len(kinds) for k in set(kinds)} if kinds else {}
+    return dict(sorted(shares.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def select_kinds(rec: dict, kinds: list[str]) -> dict:
+    """The recording with only the probe prompts of the given kinds (the training steps are left whole)."""
+    meta = rec["meta"]
+    keep = [i for i, pid in enumerate(meta["probe_ids"]) if kind_of(pid) in kinds]
+    if len(keep) < 4:
+        have = sorted(kind_mix(meta["probe_ids"]))
+        raise SystemExit(f"--kinds {','.join(kinds)}: {len(keep)} probe prompts of those kinds in {rec['path']} "
+                         f"(need >= 4); its probe prompts are of kinds {have}")
+    out = dict(rec)
+    for k in ("probe_rewards", "probe_prompt_features", "probe_trajectory"):
+        out[k] = rec[k][:, keep]
+    out["meta"] = {**meta, "probe_prompts": len(keep), "kinds": list(kinds),
+                   **{k: [meta[k][i] for i in keep] for k in ("probe_ids", "probe_questions", "probe_answers")
+                      if k in meta}}
+    return out
 
 
 def buffers(rec: dict, t: int, capacity: int) -> tuple[ReplayBuffer, ReplayBuffer]:
@@ -159,10 +194,15 @@ def analyse_step(rec: dict, ti: int, batch_sizes: list[int], resamples: int, rng
 
 
 def analyse(path: str, batch_sizes: list[int], resamples: int, seed: int, capacity: int = 4096,
-            variants: list[str] | None = None, command: str = "", min_rows: int | None = None) -> dict:
-    """``min_rows`` (if given) replaces every variant's own: the buffer rows a probe needs before it is used."""
+            variants: list[str] | None = None, command: str = "", min_rows: int | None = None,
+            kinds: list[str] | None = None) -> dict:
+    """``min_rows`` (if given) replaces every variant's own: the buffer rows a probe needs before it is used.
+    ``kinds`` (if given) keeps only the probe prompts of those problem kinds (``kind_of``)."""
     t0 = time.time()
     rec = load(path)
+    all_probe_ids = rec["meta"]["probe_ids"]
+    if kinds:
+        rec = select_kinds(rec, kinds)
     meta = rec["meta"]
     vs = {k: (e, {**o, **({"min_rows": min_rows} if min_rows else {})}) for k, (e, o) in PROBE_VARIANTS.items()
           if variants is None or k in variants}
@@ -179,6 +219,9 @@ def analyse(path: str, batch_sizes: list[int], resamples: int, seed: int, capaci
         "record_steps": meta["record_steps"], "batch_size": meta["batch_size"],
         "rollouts_per_prompt": meta["rollouts_per_prompt"], "train_siblings": meta["train_siblings"],
         "probe_prompts": meta["probe_prompts"], "samples": meta["samples"], "seconds": meta.get("seconds"),
+        "probe_selection": meta.get("probe_selection", "the first prompts of the train split"),
+        "kinds": meta.get("kinds"), "train_kind_mix": kind_mix([i for s in meta["train_ids"] for i in s]),
+        "recorded_probe_kind_mix": kind_mix(all_probe_ids), "probe_kind_mix": kind_mix(meta["probe_ids"]),
         "train_reward_by_step": [m.get("reward_mean") for m in meta.get("metrics", [])]},
         "settings": {"batch_sizes": batch_sizes, "resamples_at_B32": resamples, "seed": seed,
                      "buffer_size": capacity, "variants": {k: v for k, v in vs.items()}, "mid_steps": mid},
@@ -199,6 +242,8 @@ def targets(report: dict) -> dict:
     out = {}
     for t in mid:
         for B, cell in report["steps"][t]["results"].items():
+            if "poise:default" not in cell or "basis_probe:default" not in cell:  # --variants left them out
+                continue
             g8 = cell["group_mean_G8"]["mse"]
             out[f"step {t} B={B}"] = {
                 "poise_default_mse": cell["poise:default"]["mse"], "group_mean_G8_mse": g8,
@@ -228,6 +273,10 @@ def markdown(report: dict) -> str:
              f"{rec['batch_size']} prompts x {rec['rollouts_per_prompt']} (+{rec['train_siblings']} recorded "
              f"sibling per prompt for the 2-rollout buffers); at steps {rec['record_steps']}, {rec['probe_prompts']} "
              f"fixed prompts x {rec['samples']} samples from that step's policy.", "",
+             f"Problem kinds (share of prompts): training batches {_mix(rec['train_kind_mix'])}; recorded probe "
+             f"prompts ({rec['probe_selection']}) {_mix(rec['recorded_probe_kind_mix'])}"
+             + (f"; analysed here: only kinds {', '.join(rec['kinds'])} ({rec['probe_prompts']} prompts)."
+                if rec.get("kinds") else "; all analysed."), "",
              "Cells: truth-noise-corrected MSE of the baseline against the prompt's value (ratio to REINFORCE++'s "
              "batch mean). Estimators at step t read only the training steps before t (their replay buffer, "
              f"newest {report['settings']['buffer_size']} rows) and one (or two, for `poise:*`, `rloo_G2*` and "
@@ -264,6 +313,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mix(m: dict) -> str:
+    return ", ".join(f"{k} {v:.1%}" for k, v in m.items())
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -286,16 +339,19 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel("MSE / MSE(REINFORCE++)")
         ax.set_ylim(0, 2.0)
     axes[0, 0].legend(fontsize=7)
-    fig.suptitle("Value MSE on a real training run's policies, relative to REINFORCE++")
+    kinds = report["recording"].get("kinds")
+    fig.suptitle("Value MSE on a real training run's policies, relative to REINFORCE++"
+                 + (f" (probe prompts of kinds {', '.join(kinds)})" if kinds else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main(paths: list[str], batch_sizes: list[int], resamples: int, seed: int, out: Path, no_plot: bool,
-         command: str, capacity: int = 4096, variants: list[str] | None = None, min_rows: int | None = None) -> int:
+         command: str, capacity: int = 4096, variants: list[str] | None = None, min_rows: int | None = None,
+         kinds: list[str] | None = None) -> int:
     for p in paths:
-        report = analyse(p, batch_sizes, resamples, seed, capacity, variants, command, min_rows)
+        report = analyse(p, batch_sizes, resamples, seed, capacity, variants, command, min_rows, kinds)
         prefix = out if len(paths) == 1 else out.with_name(f"{out.name}_{Path(p).stem}")
         prefix.parent.mkdir(parents=True, exist_ok=True)
         md = markdown(report)

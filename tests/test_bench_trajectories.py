@@ -48,7 +48,28 @@ def test_recording_leaves_the_training_run_as_it_is(recording, tmp_path):
         assert z["probe_prompt_features"].shape[:2] == (2, 6)
         recorded = z["train_rewards"][:, :, 0].mean(1)
     assert meta["kind"] == "trajectories" and meta["record_steps"] == [2, 3] and len(meta["train_ids"]) == 3
+    assert meta["probe_selection"] == "uniform sample of the train split" and len(set(meta["probe_ids"])) == 6
     np.testing.assert_allclose(recorded, [r["reward_mean"] for r in want], rtol=1e-6)
+
+
+def test_probe_prompts_have_the_training_mix_of_problem_kinds():
+    """The built-in arithmetic split is drawn round-robin over its levels, so its head over-represents the small
+    levels (add1, sub1) that the rest barely holds; the probe prompts are a uniform sample, so their mix of kinds is
+    the split's (what the training batches draw from)."""
+    from basis_lite.config import load_config
+    from basis_lite.data import load_examples
+
+    rt = _module("bench_record_trajectories_pick", "record_trajectories.py")
+    vt = _module("bench_value_mse_trajectories_mix", "value_mse_trajectories.py")
+    cfg = load_config("cpu-smollm2-arith", [])
+    train = load_examples(cfg.data, "train")
+    split = vt.kind_mix([ex.id for ex in train])["add2"]
+    head = vt.kind_mix([ex.id for ex in train[:128]])["add2"]
+    picked = rt.probe_examples(train, 128, cfg.data.seed)
+    assert len({ex.id for ex in picked}) == 128 and {ex.id for ex in picked} <= {ex.id for ex in train}
+    assert split > 0.9 and head < split - 0.2  # why the head is not used
+    assert abs(vt.kind_mix([ex.id for ex in picked])["add2"] - split) < 0.08
+    assert rt.probe_examples(train, 128, cfg.data.seed) == picked  # seeded
 
 
 def test_value_mse_on_trajectories(recording):
@@ -71,6 +92,28 @@ def test_value_mse_on_trajectories(recording):
         assert cell["group_mean_G8"]["mse"] < cell["group_mean_G2"]["mse"]
     md = prefix.with_suffix(".md").read_text()
     assert md.startswith("# Value-estimate MSE of online probes") and "## Targets on the mid-training steps" in md
+    assert "Problem kinds (share of prompts): training batches" in md and "all analysed" in md
+
+
+def test_value_mse_on_trajectories_of_some_problem_kinds(recording):
+    d, out = recording
+    vm = _module("bench_value_mse_k", "value_mse.py")
+    vt = sys.modules["value_mse_trajectories"]
+    with np.load(out) as z:
+        ids = json.loads(str(z["meta"]))["probe_ids"]
+    kind, share = next(iter(vt.kind_mix(ids).items()))
+    n = round(share * len(ids))
+    prefix = d / "vmk"
+    args = ["--trajectories", str(out), "--batch-sizes", "4", "--resamples", "2", "--min-rows", "4",
+            "--variants", "poise:default", "--no-plot"]
+    assert 4 <= n < len(ids)  # the smoke split is mostly add1: a strict subset to keep
+    assert vm.main(args + ["--kinds", kind, "--out", str(prefix)]) == 0
+    rep = json.loads(prefix.with_suffix(".json").read_text())
+    assert rep["recording"]["probe_prompts"] == n and rep["recording"]["kinds"] == [kind]
+    assert rep["recording"]["probe_kind_mix"] == {kind: 1.0}
+    assert all(s["n_prompts"] == n for s in rep["steps"].values())
+    with pytest.raises(SystemExit, match="no-such-kind: 0 probe prompts"):
+        vm.main(args + ["--kinds", "no-such-kind", "--out", str(d / "vmx")])
 
 
 def test_learning_arms_for_the_probe_estimators():
