@@ -26,6 +26,7 @@ import yaml
 
 from .errors import ConfigError
 from .estimators import estimator_names, get_estimator
+from .loss_specs import LEVELS, aggregation_names, check_loss_config, loss_names
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,9 @@ class TrainConfig:
     schedule: str = "cosine"  # cosine | constant
     max_grad_norm: float = 1.0
     optimizer: str = "auto"  # auto (bitsandbytes AdamW8bit on CUDA, torch AdamW elsewhere) | adamw | adamw8bit
-    loss: str = "ppo_clip"  # ppo_clip | bpo
+    loss: str = "ppo_clip"  # a policy loss of loss_specs.LOSSES: ppo_clip | bpo | cispo
+    loss_aggregation: str = "token-mean"  # loss_specs.AGGREGATIONS, or TRL's loss_type name (dapo, grpo, bnpo, dr_grpo)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO): the importance ratio per token or per sequence
     clip_low: float = 0.2
     clip_high: float = 0.28
     bpo_cap: float = 5.0  # BPO: cap C on the complementary-probability weight
@@ -200,7 +203,9 @@ CHOICES = {
     "estimator.name": estimator_names(),  # the registry (validate() reads it again, for names registered later)
     "train.schedule": ("cosine", "constant"),
     "train.optimizer": ("auto", "adamw", "adamw8bit"),
-    "train.loss": ("ppo_clip", "bpo"),
+    "train.loss": loss_names(),
+    "train.loss_aggregation": aggregation_names(with_trl=True),
+    "train.importance_sampling_level": LEVELS,
     "train.mismatch_correction": ("auto", "always", "never"),
     "eapo.is_level": ("sequence", "token"),
 }
@@ -374,7 +379,13 @@ HELP: dict[str, str] = {
     "train.schedule": "learning-rate schedule after warmup: cosine (down to 10%) | constant",
     "train.max_grad_norm": "the gradient norm is clipped to this value",
     "train.optimizer": "auto (bitsandbytes AdamW8bit on CUDA, torch AdamW elsewhere) | adamw | adamw8bit",
-    "train.loss": "ppo_clip (token-level, clip-higher) | bpo (complementary-probability weight)",
+    "train.loss": "ppo_clip (clip-higher PPO surrogate) | bpo (complementary-probability weight) | cispo (REINFORCE "
+                  "with the importance weight capped at 1 + clip_high, detached; TRL: loss_type cispo)",
+    "train.loss_aggregation": "how per-token losses become the step's loss: token-mean (TRL: dapo) | "
+                              "seq-mean-token-mean (grpo) | local-token-mean (bnpo) | seq-mean-token-sum-norm "
+                              "(dr_grpo); TRL: loss_type",
+    "train.importance_sampling_level": "the importance ratio per token | per sequence (GSPO: exp of the mean "
+                                       "log-ratio of the sequence); ppo_clip and cispo",
     "train.clip_low": "PPO clip: the ratio's lower bound is 1 - clip_low (TRL: epsilon)",
     "train.clip_high": "PPO clip: the ratio's upper bound is 1 + clip_high (TRL: epsilon_high)",
     "train.bpo_cap": "BPO: cap C on the complementary-probability weight",
@@ -413,6 +424,8 @@ ALIASES: dict[str, str] = {
     "beta": "train.kl_coef",
     "epsilon": "train.clip_low",
     "epsilon_high": "train.clip_high",
+    "loss_type": "train.loss_aggregation",
+    "importance_sampling_level": "train.importance_sampling_level",
     "max_steps": "train.steps",
 }
 # TRL names whose meaning differs here: refused, with what to write instead
@@ -638,6 +651,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"estimator.name={e.name} needs estimator.rollouts_per_prompt >= {spec.min_rollouts} "
                           f"(got {e.rollouts_per_prompt}); use {' or '.join(fits)} for {per} per prompt")
     e.options = spec.validate_options(e.options)
+    check_loss_config(t)
     with_prior = spec.uses_prior and (e.prior_samples > 0 or e.history) and e.options.get("use_prior", True)
     if with_prior and spec.uses_features and e.use_features and e.options.get("combine", "toward_prior") == "toward_prior" \
             and "cv" in (e.options.get("bandwidth"), e.options.get("shrink")):

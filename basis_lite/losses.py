@@ -17,29 +17,44 @@ Under gradient accumulation pass `num_tokens` = N of the WHOLE optimizer step (a
 losses then add up to the full-batch loss exactly, so 8 micro-batches of 1 and 1 of 8 give the same gradient.
 "seq-mean-token-mean" (GRPO / the BPO paper, Appendix B) is available too:
     L = (1 / S) * sum_i (1 / |y_i|) sum_t m_{i,t} l_{i,t}, with S = `num_sequences` of the whole step (default B).
+
+Policy losses and aggregations are registered by name (`@policy_loss`, `@aggregation`, next to each function) against
+the torch-free table of loss_specs.py, with one signature each:
+    policy loss:  fn(batch: PolicyBatch, opts: LossOptions) -> (per-token loss [B, T], stats)
+    aggregation:  fn(per_token [B, T], mask [B, T] bool, norm: Normalizer) -> scalar
+`compute_policy_loss(loss, aggregation, batch, opts, norm, weights)` runs one of each.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from .loss_specs import AGGREGATIONS, LOSSES
+
 __all__ = [
     "SequenceLogprobs",
     "chunked_token_logprobs",
     "sequence_logprobs",
+    "PolicyBatch",
+    "LossOptions",
+    "Normalizer",
+    "policy_loss",
+    "aggregation",
+    "get_policy_loss",
+    "get_aggregation",
+    "compute_policy_loss",
+    "importance_ratio",
     "masked_mean",
     "aggregate",
     "ppo_clip_loss",
     "bpo_loss",
     "kl_k3",
-    "AGGREGATIONS",
 ]
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps a wild (masked-in) log-ratio from overflowing fp32 to inf
 
 
@@ -194,7 +209,94 @@ def sequence_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tenso
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Aggregation helpers
+# Registries: policy losses and aggregations, bound by name to the torch-free specs of loss_specs.py
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class PolicyBatch:
+    """One micro-batch's inputs to a policy loss, all [B, T] but `advantages` ([B] per sequence or [B, T])."""
+
+    logprobs: Tensor  # current policy, carries the gradient
+    old_logprobs: Tensor  # the policy the ratio compares with (detached)
+    advantages: Tensor
+    mask: Tensor
+
+
+@dataclass
+class LossOptions:
+    """The knobs the policy losses read (train.* of the same names)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    bpo_eps: float = 0.1
+    bpo_cap: float = 5.0
+    importance_sampling_level: str = "token"
+
+    @classmethod
+    def from_train(cls, t) -> "LossOptions":
+        return cls(t.clip_low, t.clip_high, t.bpo_eps, t.bpo_cap, t.importance_sampling_level)
+
+
+@dataclass
+class Normalizer:
+    """The step-wide counts an aggregation divides by (so that micro-batches add up to the whole step).
+
+    num_tokens: completion tokens of the whole step, all ranks; local_tokens: this rank's; num_sequences: sequences
+    of the whole step, all ranks; max_completion_length: generation.max_new_tokens. None = this call's own count."""
+
+    num_tokens: Optional[float] = None
+    num_sequences: Optional[float] = None
+    local_tokens: Optional[float] = None
+    num_ranks: int = 1
+    max_completion_length: Optional[int] = None
+
+
+PolicyLossFn = Callable[[PolicyBatch, LossOptions], tuple]  # -> (per-token loss [B, T], stats)
+AggregationFn = Callable[[Tensor, Tensor, Normalizer], Tensor]  # (per-token loss, mask, counts) -> scalar
+_LOSS_FNS: dict[str, PolicyLossFn] = {}
+_AGGREGATION_FNS: dict[str, AggregationFn] = {}
+
+
+def _binder(table: dict, specs: dict, kind: str):
+    def bind(name: str):
+        def deco(fn):
+            if name not in specs:
+                raise ValueError(f"{kind} {name!r} has no entry in loss_specs ({', '.join(specs)})")
+            table[name] = fn
+            return fn
+        return deco
+    return bind
+
+
+policy_loss = _binder(_LOSS_FNS, LOSSES, "policy loss")  # @policy_loss("name") above fn(batch, opts)
+aggregation = _binder(_AGGREGATION_FNS, AGGREGATIONS, "aggregation")  # @aggregation("name") above fn(l, m, norm)
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    if name not in _LOSS_FNS:
+        raise ValueError(f"policy loss {name!r} not accepted; choose one of {', '.join(_LOSS_FNS)}")
+    return _LOSS_FNS[name]
+
+
+def get_aggregation(name: str) -> AggregationFn:
+    name = next((s.name for s in AGGREGATIONS.values() if name == s.trl), name)  # TRL's loss_type names too
+    if name not in _AGGREGATION_FNS:
+        raise ValueError(f"aggregation {name!r} not accepted; choose one of {', '.join(_AGGREGATION_FNS)}")
+    return _AGGREGATION_FNS[name]
+
+
+def compute_policy_loss(name: str, aggregation_name: str, batch: PolicyBatch, opts: LossOptions,
+                        norm: Normalizer, weights: Optional[Tensor] = None) -> tuple[Tensor, dict]:
+    """The scalar loss of one micro-batch: the policy loss `name` per token, times the detached `weights`
+    ([B, T] importance weights, or None), reduced by the aggregation `aggregation_name`. Returns (loss, stats)."""
+    per_token, stats = get_policy_loss(name)(batch, opts)
+    if weights is not None:
+        per_token = per_token * weights.detach().to(per_token.dtype)
+    return get_aggregation(aggregation_name)(per_token, batch.mask.bool(), norm), stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Aggregations
 # ----------------------------------------------------------------------------------------------------------------
 
 def masked_mean(x: Tensor, mask: Tensor, num_tokens: Optional[float] = None) -> Tensor:
@@ -206,22 +308,49 @@ def masked_mean(x: Tensor, mask: Tensor, num_tokens: Optional[float] = None) -> 
     return total / denom
 
 
+def _masked_sum_rows(x: Tensor, m: Tensor) -> Tensor:
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(-1)
+
+
+@aggregation("token-mean")
+def token_mean(per_token: Tensor, m: Tensor, norm: Normalizer) -> Tensor:
+    """sum_{i,t} m l / N, N = completion tokens of the whole step (TRL: dapo)."""
+    return masked_mean(per_token, m, norm.num_tokens)
+
+
+@aggregation("seq-mean-token-mean")
+def seq_mean_token_mean(per_token: Tensor, m: Tensor, norm: Normalizer) -> Tensor:
+    """sum_i [sum_t m l / max(1, |y_i|)] / S, S = sequences of the whole step or B (TRL: grpo)."""
+    per_seq = _masked_sum_rows(per_token, m) / m.sum(-1).clamp(min=1).to(per_token.dtype)
+    denom = float(norm.num_sequences) if norm.num_sequences is not None else float(per_token.shape[0])
+    return per_seq.sum() / denom
+
+
+@aggregation("local-token-mean")
+def local_token_mean(per_token: Tensor, m: Tensor, norm: Normalizer) -> Tensor:
+    """Each rank's token mean, averaged over the ranks: sum m l / (N_rank * ranks) (TRL: bnpo, without its
+    dependence on the micro-batch split)."""
+    local = norm.local_tokens if norm.local_tokens is not None else norm.num_tokens
+    return masked_mean(per_token, m, None if local is None else max(1.0, float(local)) * norm.num_ranks)
+
+
+@aggregation("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(per_token: Tensor, m: Tensor, norm: Normalizer) -> Tensor:
+    """sum_{i,t} m l / (S * L), S = sequences of the whole step or B, L = max_completion_length (TRL: dr_grpo)."""
+    if norm.max_completion_length is None:
+        raise ValueError("seq-mean-token-sum-norm needs Normalizer.max_completion_length")
+    seqs = float(norm.num_sequences) if norm.num_sequences is not None else float(per_token.shape[0])
+    return _masked_sum_rows(per_token, m).sum() / (seqs * float(norm.max_completion_length))
+
+
 def aggregate(per_token: Tensor, mask: Tensor, aggregation: str = "token-mean", num_tokens: Optional[float] = None,
               num_sequences: Optional[float] = None) -> Tensor:
-    """Reduce a per-token loss [B, T] to a scalar.
+    """Reduce a per-token loss [B, T] to a scalar with a registered aggregation (its name or TRL's):
 
     token-mean:           sum_{i,t} m l / N,  N = num_tokens (whole step) or sum(m) of this micro-batch.
     seq-mean-token-mean:  sum_i [ sum_t m l / max(1, sum_t m) ] / S,  S = num_sequences (whole step) or B.
     """
-    if aggregation == "token-mean":
-        return masked_mean(per_token, mask, num_tokens)
-    if aggregation == "seq-mean-token-mean":
-        m = mask.bool()
-        per_seq = torch.where(m, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device)).sum(-1)
-        per_seq = per_seq / m.sum(-1).clamp(min=1).to(per_seq.dtype)
-        denom = float(num_sequences) if num_sequences is not None else float(per_token.shape[0])
-        return per_seq.sum() / denom
-    raise ValueError(f"aggregation {aggregation!r} not accepted; choose one of {', '.join(AGGREGATIONS)}")
+    return get_aggregation(aggregation)(per_token, mask.bool(), Normalizer(num_tokens, num_sequences))
 
 
 def _broadcast_adv(advantages: Tensor, like: Tensor) -> Tensor:
@@ -235,59 +364,77 @@ def _frac(x: Tensor, mask: Tensor) -> Tensor:
     return masked_mean(x.float(), mask).detach()
 
 
+def importance_ratio(logprobs: Tensor, old_logprobs: Tensor, m: Tensor, level: str = "token") -> Tensor:
+    """r = exp(lp - old) per token, or with level "sequence" (GSPO) exp(mean over the sequence's masked tokens of
+    lp - old), broadcast to every token; masked-out positions are 1 (token level). [B, T], carries the gradient."""
+    log_ratio = torch.where(m, logprobs - old_logprobs.to(logprobs.dtype), torch.zeros_like(logprobs))
+    if level == "sequence":
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(logprobs)
+    elif level != "token":
+        raise ValueError(f"importance_sampling_level {level!r} not accepted; choose token or sequence")
+    return torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+
+
+def _ratio_stats(ratio: Tensor, low: Tensor, high: Tensor, m: Tensor) -> dict:
+    r_masked = torch.where(m, ratio, torch.zeros_like(ratio))
+    return {
+        "clip_fraction": _frac(low | high, m),
+        "clip_low_fraction": _frac(low, m),
+        "clip_high_fraction": _frac(high, m),
+        "ratio_mean": _frac(ratio, m),
+        "ratio_max": r_masked.max().detach() if m.any() else ratio.new_zeros(()),
+    }
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Policy losses
+# Policy losses: fn(batch, opts) -> (per-token loss [B, T], stats of detached 0-d tensors)
 # ----------------------------------------------------------------------------------------------------------------
 
-def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                  clip_low: float = 0.2, clip_high: float = 0.28, num_tokens: Optional[float] = None,
-                  aggregation: str = "token-mean", num_sequences: Optional[float] = None,
-                  weights: Optional[Tensor] = None) -> tuple[Tensor, dict]:
-    """PPO clipped surrogate with asymmetric (DAPO clip-higher) bounds and token-level aggregation.
+@policy_loss("ppo_clip")
+def ppo_clip(b: PolicyBatch, o: LossOptions) -> tuple[Tensor, dict]:
+    """PPO clipped surrogate with asymmetric (DAPO clip-higher) bounds:
 
-        r_{i,t} = exp(lp_{i,t} - old_{i,t})
-        l_{i,t} = -min( r A,  clip(r, 1 - clip_low, 1 + clip_high) A )
-        L       = sum_{i,t} m l / N          (token-mean; N = num_tokens or the number of masked tokens)
+        l_{i,t} = -min( r A,  clip(r, 1 - clip_low, 1 + clip_high) A ),   r from `importance_ratio`
 
     A token is clipped (zero gradient) when A > 0 and r > 1 + clip_high, or A < 0 and r < 1 - clip_low.
-    On-policy (old = lp.detach(), r = 1): grad L = -(1/N) sum m A grad lp, the REINFORCE gradient.
-    `weights` [B, T] (detached; truncated importance weights between the behaviour policy and `old`) multiply
-    l_{i,t}: L = sum m w l / N.
-
-    Args:
-        logprobs, old_logprobs, mask: [B, T]; advantages: [B] (per sequence) or [B, T]; weights: [B, T] or None.
-    Returns:
-        (loss scalar, stats) with detached 0-d tensors: clip_fraction, clip_low_fraction, clip_high_fraction,
-        ratio_mean, ratio_max (over this call's masked tokens).
+    On-policy (old = lp.detach(), r = 1): the REINFORCE gradient, at either level.
+    Stats: clip_fraction, clip_low_fraction, clip_high_fraction, ratio_mean, ratio_max (this call's masked tokens).
     """
-    m = mask.bool()
-    adv = _broadcast_adv(advantages, logprobs)
-    log_ratio = torch.where(m, logprobs - old_logprobs.to(logprobs.dtype), torch.zeros_like(logprobs))
-    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    m = b.mask.bool()
+    adv = _broadcast_adv(b.advantages, b.logprobs)
+    ratio = importance_ratio(b.logprobs, b.old_logprobs, m, o.importance_sampling_level)
     surr1 = ratio * adv
-    surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    surr2 = ratio.clamp(1.0 - o.clip_low, 1.0 + o.clip_high) * adv
     per_token = -torch.minimum(surr1, surr2)
-    if weights is not None:
-        per_token = per_token * weights.detach().to(per_token.dtype)
-    loss = aggregate(per_token, m, aggregation, num_tokens, num_sequences)
     with torch.no_grad():
-        low = (adv < 0) & (ratio < 1.0 - clip_low)
-        high = (adv > 0) & (ratio > 1.0 + clip_high)
-        r_masked = torch.where(m, ratio, torch.zeros_like(ratio))
-        stats = {
-            "clip_fraction": _frac(low | high, m),
-            "clip_low_fraction": _frac(low, m),
-            "clip_high_fraction": _frac(high, m),
-            "ratio_mean": _frac(ratio, m),
-            "ratio_max": r_masked.max().detach() if m.any() else ratio.new_zeros(()),
-        }
-    return loss, stats
+        low = (adv < 0) & (ratio < 1.0 - o.clip_low)
+        high = (adv > 0) & (ratio > 1.0 + o.clip_high)
+        stats = _ratio_stats(ratio, low, high, m)
+    return per_token, stats
 
 
-def bpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps: float = 0.1,
-             cap: float = 5.0, clip_low: float = 0.2, clip_high: float = 0.28, num_tokens: Optional[float] = None,
-             aggregation: str = "token-mean", num_sequences: Optional[float] = None,
-             weights: Optional[Tensor] = None) -> tuple[Tensor, dict]:
+@policy_loss("cispo")
+def cispo(b: PolicyBatch, o: LossOptions) -> tuple[Tensor, dict]:
+    """CISPO (MiniMax-M1; TRL loss_type "cispo"): REINFORCE with a clipped, detached importance weight,
+
+        l_{i,t} = -sg[ min(r, 1 + clip_high) ] A lp_{i,t},   r from `importance_ratio`
+
+    Every token keeps a gradient (the weight is capped, never zeroed). Stats as ppo_clip's; clip_fraction and
+    clip_high_fraction count the capped tokens.
+    """
+    m = b.mask.bool()
+    adv = _broadcast_adv(b.advantages, b.logprobs)
+    with torch.no_grad():
+        ratio = importance_ratio(b.logprobs.detach(), b.old_logprobs, m, o.importance_sampling_level)
+        weight = ratio.clamp(max=1.0 + o.clip_high)
+        high = ratio > 1.0 + o.clip_high
+        stats = _ratio_stats(ratio, torch.zeros_like(high), high, m)
+    lp_safe = torch.where(m, b.logprobs, torch.zeros_like(b.logprobs))
+    return -adv * weight * lp_safe, stats
+
+
+@policy_loss("bpo")
+def bpo(b: PolicyBatch, o: LossOptions) -> tuple[Tensor, dict]:
     """Bellman Policy Optimization practical loss (papers.md §4.2; TRL `BPOTrainer._compute_loss`, "paper, Eq. 14").
 
         mu_{i,t}  = exp(old_{i,t})     behaviour-policy probability of the sampled token
@@ -295,48 +442,62 @@ def bpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: T
         w_{i,t}   = sg[ (1 + eps - mu) / (1 + eps - pi) ]                    smoothed complementary-probability ratio
         c_{i,t}   = 0 if (A > 0 and w > 1 + clip_high) or (A < 0 and w < 1 - clip_low), else 1   (UNcapped w)
         l_{i,t}   = -A_i * c_{i,t} * min(w_{i,t}, C) * lp_{i,t}
-        L         = aggregate(l)   token-mean by default (DAPO-style, num_tokens for accumulation);
-                                   aggregation="seq-mean-token-mean" is the paper's/TRL's choice.
 
-    The weight is detached: grad L = -(1/N) sum m A c min(w, C) grad lp (w = 1 on-policy: REINFORCE).
-    `weights` [B, T] (detached importance weights, as in ppo_clip_loss) multiply l_{i,t}.
-    Clipped tokens stay in the denominator. Paper defaults: eps = 0.1, C = 3.0 (this function's default cap follows
-    the project config, 5.0); no KL, no entropy bonus. Non-finite `old_logprobs` (behaviour log-prob missing) fall
-    back to the detached current log-prob, as TRL does.
-
-    Returns:
-        (loss scalar, stats) with detached 0-d tensors: clip_fraction, clip_low_fraction, clip_high_fraction,
-        capped_fraction, omega_mean, ratio_mean (pi/mu).
+    The weight is detached: grad = -A c min(w, C) grad lp (w = 1 on-policy: REINFORCE). Clipped tokens stay in the
+    denominator. Paper defaults: eps = 0.1, C = 3.0 (the project config's cap is 5.0); no KL, no entropy bonus.
+    Non-finite `old_logprobs` (behaviour log-prob missing) fall back to the detached current log-prob, as TRL does.
+    Token level only. Stats: clip_fraction, clip_low_fraction, clip_high_fraction, capped_fraction, omega_mean,
+    ratio_mean (pi/mu).
     """
-    m = mask.bool()
-    adv = _broadcast_adv(advantages, logprobs)
-    lp_det = logprobs.detach()
-    old = old_logprobs.to(logprobs.dtype)
+    if o.importance_sampling_level != "token":
+        raise ValueError("bpo: importance_sampling_level must be token")
+    m = b.mask.bool()
+    adv = _broadcast_adv(b.advantages, b.logprobs)
+    lp_det = b.logprobs.detach()
+    old = b.old_logprobs.to(b.logprobs.dtype)
     old = torch.where(torch.isfinite(old), old, lp_det)
     with torch.no_grad():
         mu = old.exp()
         pi = lp_det.exp()
-        omega = (1.0 + eps - mu) / (1.0 + eps - pi)
-        low = (adv < 0) & (omega < 1.0 - clip_low)
-        high = (adv > 0) & (omega > 1.0 + clip_high)
+        omega = (1.0 + o.bpo_eps - mu) / (1.0 + o.bpo_eps - pi)
+        low = (adv < 0) & (omega < 1.0 - o.clip_low)
+        high = (adv > 0) & (omega > 1.0 + o.clip_high)
         keep = ~(low | high)
-        weight = torch.where(keep, omega.clamp(max=cap), torch.zeros_like(omega))
-    lp_safe = torch.where(m, logprobs, torch.zeros_like(logprobs))
+        weight = torch.where(keep, omega.clamp(max=o.bpo_cap), torch.zeros_like(omega))
+    lp_safe = torch.where(m, b.logprobs, torch.zeros_like(b.logprobs))
     per_token = -adv * weight * lp_safe
-    if weights is not None:
-        per_token = per_token * weights.detach().to(per_token.dtype)
-    loss = aggregate(per_token, m, aggregation, num_tokens, num_sequences)
     with torch.no_grad():
         log_ratio = torch.where(m, lp_det - old, torch.zeros_like(lp_det)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         stats = {
             "clip_fraction": _frac(low | high, m),
             "clip_low_fraction": _frac(low, m),
             "clip_high_fraction": _frac(high, m),
-            "capped_fraction": _frac(keep & (omega > cap), m),
+            "capped_fraction": _frac(keep & (omega > o.bpo_cap), m),
             "omega_mean": _frac(torch.where(m, omega, torch.zeros_like(omega)), m),
             "ratio_mean": _frac(log_ratio.exp(), m),
         }
-    return loss, stats
+    return per_token, stats
+
+
+def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                  clip_low: float = 0.2, clip_high: float = 0.28, num_tokens: Optional[float] = None,
+                  aggregation: str = "token-mean", num_sequences: Optional[float] = None,
+                  weights: Optional[Tensor] = None, level: str = "token") -> tuple[Tensor, dict]:
+    """`ppo_clip` aggregated (token-mean by default: sum m w l / N, N = num_tokens or the masked tokens), with
+    optional detached per-token `weights` [B, T]. Returns (loss scalar, stats)."""
+    return compute_policy_loss("ppo_clip", aggregation, PolicyBatch(logprobs, old_logprobs, advantages, mask),
+                               LossOptions(clip_low, clip_high, importance_sampling_level=level),
+                               Normalizer(num_tokens, num_sequences), weights)
+
+
+def bpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps: float = 0.1,
+             cap: float = 5.0, clip_low: float = 0.2, clip_high: float = 0.28, num_tokens: Optional[float] = None,
+             aggregation: str = "token-mean", num_sequences: Optional[float] = None,
+             weights: Optional[Tensor] = None) -> tuple[Tensor, dict]:
+    """`bpo` aggregated as `ppo_clip_loss` is. Returns (loss scalar, stats)."""
+    return compute_policy_loss("bpo", aggregation, PolicyBatch(logprobs, old_logprobs, advantages, mask),
+                               LossOptions(clip_low, clip_high, eps, cap), Normalizer(num_tokens, num_sequences),
+                               weights)
 
 
 # ----------------------------------------------------------------------------------------------------------------

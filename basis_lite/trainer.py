@@ -461,7 +461,7 @@ def update(run: RunState, rollouts, adv: torch.Tensor, step: int):
     before = [p.detach().clone() for p in params]
     try:
         stats, ok = policy_update(cfg, run.model, run.optimizer, rollouts, adv.reshape(-1), run.tok.pad_token_id,
-                                  run.device, step, run.scaler, ranks=run.ranks if run.ranks.active else None)
+                                  run.device, step, run.scaler, ranks=run.ranks)
     except torch.OutOfMemoryError:
         raise TrainingAborted(
             f"CUDA out of memory at step {step} with train.micro_batch_size={cfg.train.micro_batch_size}; "

@@ -2,9 +2,10 @@
 
     stats, ok = policy_update(cfg, model, optimizer, rollouts, advantages, pad_id, device, step, scaler)
 
-The loss is token-level (every micro-batch divides by the completion-token count of the whole step, so gradient
-accumulation is exact). `train.ppo_epochs` passes go over the same rollouts, one optimizer step each, with the same
-micro-batches. The PPO ratio compares the current policy with `old`: the trainer's own detached log-probs of the
+The policy loss (`train.loss`) and its aggregation (`train.loss_aggregation`) are looked up by name in
+basis_lite.losses; every aggregation divides by counts of the whole step (the default, token-mean: its completion
+tokens), so gradient accumulation is exact. `train.ppo_epochs` passes go over the same rollouts, one optimizer step
+each, with the same micro-batches. The PPO ratio compares the current policy with `old`: the trainer's own detached log-probs of the
 first pass, computed before any step on this batch, i.e. the policy that sampled the rollouts as the trainer scores
 it. With one pass the ratio is exactly 1, the clip never acts (`clip_fraction` is 0) and `ppo_clip` and `bpo`'s
 ratio part reduce to REINFORCE with the given advantages (tests/test_losses.py shows it); from the second pass on
@@ -21,13 +22,24 @@ The engine/trainer log-ratio is reported whenever the engine gave log-probs.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .config import Config
+from .distributed import Ranks
 from .errors import ConfigError
 from .faults import maybe_kill
-from .losses import bpo_loss, kl_k3, masked_mean, ppo_clip_loss, sequence_logprobs
+from .losses import (
+    LossOptions,
+    Normalizer,
+    PolicyBatch,
+    compute_policy_loss,
+    kl_k3,
+    masked_mean,
+    sequence_logprobs,
+)
 
 # step metrics policy_update adds when they apply (the trainer copies those present into metrics.jsonl)
 OPTIONAL_STEP_METRICS = ("engine_log_ratio_mean", "engine_log_ratio_max", "mismatch_truncated_fraction",
@@ -35,19 +47,40 @@ OPTIONAL_STEP_METRICS = ("engine_log_ratio_mean", "engine_log_ratio_max", "misma
                          "eapo_weight_mean", "eapo_capped_fraction")
 
 
+_OPTIMIZERS: dict[str, Callable] = {}
+
+
+def optimizer(name: str):
+    """@optimizer("name") above fn(params, train_config) -> torch optimizer: a `train.optimizer` choice."""
+    def deco(fn):
+        _OPTIMIZERS[name] = fn
+        return fn
+    return deco
+
+
+@optimizer("adamw")
+def adamw(params, t):
+    return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+
+
+@optimizer("adamw8bit")
+def adamw8bit(params, t):
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ConfigError("train.optimizer: adamw8bit needs bitsandbytes (pip install 'basis-lite[gpu]'); "
+                          "or use adamw") from None
+    return bnb.optim.AdamW8bit(params, lr=t.lr, weight_decay=t.weight_decay)
+
+
 def make_optimizer(cfg: Config, model, device):
-    params = [p for p in model.parameters() if p.requires_grad]
+    """The `train.optimizer` optimizer over the trainable parameters; auto is adamw8bit on CUDA, adamw elsewhere."""
     kind = cfg.train.optimizer
     if kind == "auto":
         kind = "adamw8bit" if device.type == "cuda" else "adamw"
-    if kind == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise ConfigError("train.optimizer: adamw8bit needs bitsandbytes (pip install 'basis-lite[gpu]'); "
-                              "or use adamw") from None
-        return bnb.optim.AdamW8bit(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    if kind not in _OPTIMIZERS:
+        raise ConfigError(f"train.optimizer: {kind!r} is not accepted; choose one of auto, {', '.join(_OPTIMIZERS)}")
+    return _OPTIMIZERS[kind]([p for p in model.parameters() if p.requires_grad], cfg.train)
 
 
 def make_scheduler(cfg: Config, optimizer):
@@ -157,113 +190,156 @@ def behaviour_weights(cfg: Config, rollouts, eapo_w, old: torch.Tensor, mask: to
     return w
 
 
+def micro_batches(cfg: Config, rollouts, advantages: torch.Tensor) -> list[list[int]]:
+    """The rollouts that train, in micro-batches of `train.micro_batch_size` of similar lengths (each is padded to
+    its longest sequence, so sorting wastes fewer FLOPs). A rollout whose advantage is exactly 0 adds nothing to the
+    policy loss and is left out unless a KL term needs it (its tokens still count in the divisors)."""
+    t = cfg.train
+    idx = [i for i in range(len(rollouts)) if t.kl_coef > 0 or advantages[i].item() != 0.0]
+    idx.sort(key=lambda i: len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids))
+    return [idx[s:s + t.micro_batch_size] for s in range(0, len(idx), t.micro_batch_size)]
+
+
+def step_normalizer(cfg: Config, rollouts, ranks: Ranks) -> Normalizer:
+    """The counts of the whole step (over the ranks) that every micro-batch's loss divides by."""
+    local = sum(max(0, min(len(r.prompt_ids) + len(r.completion_ids), cfg.model.max_seq_length) - len(r.prompt_ids))
+                for r in rollouts)
+    tokens, seqs = ranks.sum([float(local), float(len(rollouts))])
+    return Normalizer(num_tokens=int(round(tokens)), num_sequences=int(round(seqs)), local_tokens=local,
+                      num_ranks=ranks.world, max_completion_length=cfg.generation.max_new_tokens)
+
+
+def reference_kl(cfg: Config, model, batch: tuple, logprobs: torch.Tensor, mask: torch.Tensor,
+                 norm: Normalizer) -> torch.Tensor:
+    """k3 KL to the reference (the base, adapter disabled), token-mean over the whole step."""
+    input_ids, attn, cmask = batch
+    with torch.no_grad(), model.disable_adapter():
+        ref = sequence_logprobs(model, input_ids, attn, cmask, chunk_size=cfg.train.logprob_chunk_size).logprobs
+    return masked_mean(kl_k3(logprobs, ref, mask), mask, num_tokens=norm.num_tokens)
+
+
+@dataclass
+class _Pass:
+    """What one pass over the micro-batches adds up (summed over the ranks before it is read)."""
+
+    loss: float = 0.0
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    first: dict = field(default_factory=dict)  # first pass only: entropy_sum, ent_tokens, trained
+
+    def as_dict(self) -> dict:
+        return {"loss": self.loss, "kl": self.kl, "clip_fraction": self.clip_fraction, **self.first}
+
+
+def run_pass(cfg: Config, model, rollouts, advantages, mbs, norm: Normalizer, epoch: int, first_pass: dict,
+             eapo_w: list, acc: dict, pad_id: int, device, scaler) -> dict:
+    """Forward and backward over every micro-batch once; returns the pass's statistics. The first pass records
+    each micro-batch's old log-probs (the sampling policy: no step on this batch yet) and weights for the later."""
+    t = cfg.train
+    ep = _Pass(first=dict(entropy_sum=0.0, ent_tokens=0.0, trained=float(sum(map(len, mbs)))) if epoch == 0 else {})
+    opts = LossOptions.from_train(t)
+    for k, mb in enumerate(mbs):
+        batch = tuple(x.to(device) for x in pack_sequences([rollouts[i] for i in mb], cfg.model.max_seq_length,
+                                                             pad_id))
+        # log-probs of the distribution the rollouts were sampled from: logits / T (T = 0 is greedy: use 1)
+        out = sequence_logprobs(model, *batch, chunk_size=t.logprob_chunk_size,
+                                temperature=cfg.generation.temperature or 1.0, with_entropy=epoch == 0)
+        if epoch == 0:
+            old = out.logprobs.detach()
+            weights = behaviour_weights(cfg, [rollouts[i] for i in mb], [eapo_w[i] for i in mb], old, out.mask, acc)
+            if t.ppo_epochs > 1:
+                first_pass[k] = (old, weights)
+        else:
+            old, weights = first_pass[k]
+        pb = PolicyBatch(out.logprobs, old, advantages[mb].to(device), out.mask)
+        loss, ls = compute_policy_loss(t.loss, t.loss_aggregation, pb, opts, norm, weights)
+        if t.kl_coef > 0:
+            kl = reference_kl(cfg, model, batch, out.logprobs, out.mask, norm)
+            loss = loss + t.kl_coef * kl
+            ep.kl += kl.item()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        ep.loss += loss.item()
+        ep.clip_fraction += float(ls["clip_fraction"]) * int(out.mask.sum()) / max(1, norm.num_tokens)
+        if out.entropy is not None:
+            ep.first["entropy_sum"] += float((out.entropy * out.mask).sum())
+            ep.first["ent_tokens"] += int(out.mask.sum())
+    return ep.as_dict()
+
+
+def optimizer_step(cfg: Config, optimizer, params, scaler, loss: float, trained: int, step: int) -> tuple:
+    """Clip the gradients and step (when anything trained and the loss is finite); zero them. Returns
+    (grad_norm, ok). fp16: an overflow in the scaled gradients is the scaler's business (it skips the step and
+    lowers its scale), not a bad step; only a non-finite loss is."""
+    if scaler is not None and trained:
+        scaler.unscale_(optimizer)  # clip the true gradients
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)) if trained else 0.0
+    ok = math.isfinite(loss) and (scaler is not None or math.isfinite(grad_norm))
+    if ok and trained:
+        maybe_kill("optimizer", step)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, ok
+
+
+def engine_ratio_stats(cfg: Config, acc: dict, ranks: Ranks) -> dict:
+    """The engine/trainer log-ratio statistics of the step, over the ranks (empty when no engine log-probs)."""
+    summed = ranks.sum([acc["sum"], float(acc["n"]), float(acc["truncated"])])
+    n, top = int(round(summed[1])), ranks.max([acc["max"]])[0]
+    if not n:
+        return {}
+    out = {"engine_log_ratio_mean": summed[0] / n, "engine_log_ratio_max": top}
+    if mismatch_correction_on(cfg):
+        out["mismatch_truncated_fraction"] = int(round(summed[2])) / n
+    return out
+
+
 def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
-                  step: int = 0, scaler=None, ranks=None):
-    """`train.ppo_epochs` optimizer steps on one batch of rollouts; each accumulates the token-level loss over the
+                  step: int = 0, scaler=None, ranks: Ranks | None = None):
+    """`train.ppo_epochs` optimizer steps on one batch of rollouts; each accumulates the loss over the
     micro-batches, then clips and steps. Returns (stats, ok).
 
-    Every micro-batch divides by the completion-token count of the WHOLE step, so the accumulated gradient equals
-    the full-batch gradient (batch 8 x accumulation 1 == 1 x 8). Rollouts whose advantage is exactly 0 add
-    nothing to the policy loss and are skipped (their tokens still count in the divisor) unless a KL term needs
-    them. Loss, KL, grad_norm and clip_fraction are means over the passes; entropy is the first pass's. A
-    non-finite pass stops the update (ok False); the passes before it have stepped. With `ranks` (data-parallel,
-    basis_lite.distributed) `rollouts` are this rank's share: the divisor is the token count of the global batch, and
-    each pass's gradients and statistics are summed over the ranks before clipping, so every rank takes the same steps.
+    Every micro-batch divides by counts of the WHOLE step (`step_normalizer`), so the accumulated gradient equals
+    the full-batch gradient (batch 8 x accumulation 1 == 1 x 8). Loss, KL, grad_norm and clip_fraction are means
+    over the passes; entropy is the first pass's. A non-finite pass stops the update (ok False); the passes before
+    it have stepped. `ranks` (data-parallel, basis_lite.distributed; default: one process alone): `rollouts` are
+    this rank's share, the counts are the global batch's, and each pass's gradients and statistics are summed over
+    the ranks before clipping, so every rank takes the same steps.
     """
-    t = cfg.train
-    total_tokens = sum(max(0, min(len(r.prompt_ids) + len(r.completion_ids), cfg.model.max_seq_length)
-                           - len(r.prompt_ids)) for r in rollouts)
-    if ranks is not None:
-        total_tokens = int(round(ranks.sum([float(total_tokens)])[0]))
-    idx = [i for i in range(len(rollouts)) if t.kl_coef > 0 or advantages[i].item() != 0.0]
-    # micro-batches of similar lengths: each is padded to its longest sequence, so sorting wastes fewer FLOPs
-    idx.sort(key=lambda i: len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids))
-    mbs = [idx[s:s + t.micro_batch_size] for s in range(0, len(idx), t.micro_batch_size)]
-    stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}  # entropy and trained_sequences: set by the first pass
+    ranks = ranks if ranks is not None else Ranks()
+    norm = step_normalizer(cfg, rollouts, ranks)
+    mbs = micro_batches(cfg, rollouts, advantages)
+    stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
     eapo_w: list = [None] * len(rollouts)
     if cfg.eapo.prior_adapter:
         eapo_w, eapo_stats = eapo_token_weights(cfg, rollouts)
         stats.update(eapo_stats)
     acc = {"sum": 0.0, "n": 0, "max": 0.0, "truncated": 0}
     first_pass: dict = {}  # micro-batch -> (old log-probs, weights) of the first pass, for the later ones
-    model.train()
-    ok, grad_norms, passes = True, [], 0
     params = [p for p in model.parameters() if p.requires_grad]
-    for epoch in range(t.ppo_epochs):
-        ep = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+    model.train()
+    grad_norms: list = []
+    for epoch in range(cfg.train.ppo_epochs):
+        ep = run_pass(cfg, model, rollouts, advantages, mbs, norm, epoch, first_pass, eapo_w, acc, pad_id, device,
+                      scaler)
+        ranks.reduce_update(params, ep)  # gradients and this pass's statistics summed over the ranks
         if epoch == 0:
-            ep.update(entropy_sum=0.0, ent_tokens=0.0, trained=float(len(idx)))
-        for k, mb in enumerate(mbs):
-            input_ids, attn, cmask = pack_sequences([rollouts[i] for i in mb], cfg.model.max_seq_length, pad_id)
-            input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
-            # log-probs of the distribution the rollouts were sampled from: logits / T (T = 0 is greedy: use 1)
-            out = sequence_logprobs(model, input_ids, attn, cmask, chunk_size=t.logprob_chunk_size,
-                                    temperature=cfg.generation.temperature or 1.0, with_entropy=epoch == 0)
-            adv = advantages[mb].to(device)
-            if epoch == 0:
-                old = out.logprobs.detach()  # the sampling policy: no step on this batch yet
-                weights = behaviour_weights(cfg, [rollouts[i] for i in mb], [eapo_w[i] for i in mb], old, out.mask,
-                                            acc)
-                if t.ppo_epochs > 1:
-                    first_pass[k] = (old, weights)
-            else:
-                old, weights = first_pass[k]
-            if t.loss == "bpo":
-                loss, ls = bpo_loss(out.logprobs, old, adv, out.mask, eps=t.bpo_eps, cap=t.bpo_cap,
-                                    clip_low=t.clip_low, clip_high=t.clip_high, num_tokens=total_tokens,
-                                    weights=weights)
-            else:
-                loss, ls = ppo_clip_loss(out.logprobs, old, adv, out.mask, clip_low=t.clip_low,
-                                         clip_high=t.clip_high, num_tokens=total_tokens, weights=weights)
-            if t.kl_coef > 0:
-                with torch.no_grad(), model.disable_adapter():
-                    ref = sequence_logprobs(model, input_ids, attn, cmask, chunk_size=t.logprob_chunk_size).logprobs
-                kl = masked_mean(kl_k3(out.logprobs, ref, out.mask), out.mask, num_tokens=total_tokens)
-                loss = loss + t.kl_coef * kl
-                ep["kl"] += kl.item()
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            ep["loss"] += loss.item()
-            ep["clip_fraction"] += float(ls["clip_fraction"]) * int(out.mask.sum()) / max(1, total_tokens)
-            if out.entropy is not None:
-                ep["entropy_sum"] += float((out.entropy * out.mask).sum())
-                ep["ent_tokens"] += int(out.mask.sum())
-        if ranks is not None:
-            ranks.reduce_update(params, ep)  # gradients and this pass's statistics summed over the ranks
-        if epoch == 0:
-            stats["entropy_sum"], ent_tokens = ep.pop("entropy_sum"), int(round(ep.pop("ent_tokens")))
+            entropy_sum, ent_tokens = ep.pop("entropy_sum"), int(round(ep.pop("ent_tokens")))
             trained = int(round(ep.pop("trained")))  # over all ranks: every rank steps when any rank trained
-            stats["trained_sequences"] = trained
-        if scaler is not None and trained:
-            scaler.unscale_(optimizer)  # clip the true gradients
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm) if trained else torch.tensor(0.0)
-        grad_norms.append(float(grad_norm))
-        passes += 1
+        grad_norm, ok = optimizer_step(cfg, optimizer, params, scaler, ep["loss"], trained, step)
+        grad_norms.append(grad_norm)
         for key in ep:
             stats[key] += ep[key]
-        # fp16: an overflow in the scaled gradients is the scaler's business (it skips the step and lowers its
-        # scale), not a bad step; only a non-finite loss is
-        ok = math.isfinite(ep["loss"]) and (scaler is not None or math.isfinite(grad_norms[-1]))
-        if ok and trained:
-            maybe_kill("optimizer", step)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         if not ok or not trained:
             break
+    passes = len(grad_norms)
     for key in ("loss", "kl", "clip_fraction"):
         stats[key] /= passes
     stats["grad_norm"] = sum(grad_norms) / passes
-    stats["entropy"] = stats.pop("entropy_sum") / max(1, ent_tokens) if ent_tokens else float("nan")
-    if ranks is not None and ranks.active:
-        summed = ranks.sum([acc["sum"], float(acc["n"]), float(acc["truncated"])])
-        acc.update(sum=summed[0], n=int(round(summed[1])), truncated=int(round(summed[2])),
-                   max=ranks.max([acc["max"]])[0])
-    if acc["n"]:
-        stats["engine_log_ratio_mean"] = acc["sum"] / acc["n"]
-        stats["engine_log_ratio_max"] = acc["max"]
-        if mismatch_correction_on(cfg):
-            stats["mismatch_truncated_fraction"] = acc["truncated"] / acc["n"]
+    stats["trained_sequences"] = trained
+    stats["entropy"] = entropy_sum / ent_tokens if ent_tokens else float("nan")
+    stats.update(engine_ratio_stats(cfg, acc, ranks))
     return stats, ok
