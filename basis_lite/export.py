@@ -45,11 +45,9 @@ memory and disk by the exact reload comparison; the rounding tolerance bounds wh
 """
 from __future__ import annotations
 
-import errno
 import gc
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -57,32 +55,29 @@ from pathlib import Path
 import torch
 
 from .config import Config, save_config
-from .errors import ConfigError, DiskFullError, ModelError
+from .errors import ConfigError, ModelError
+from .export_check import (
+    CHECK_PROMPTS,
+    EXPORT_REPORT,
+    ROUNDING_FACTOR,
+    UNIT_ROUNDOFF,
+    Staging,
+    check_destination,
+    check_texts,
+    default_tolerance,
+    logits,
+    max_abs_diff,
+    merge_tolerance,
+    need_space,
+    run_line,
+)
 from .models import resolve_model_path
 from .runs import ADAPTER_RUN_CONFIG, Target, load_run_config, resolve_target
-from .safeio import fsync_dir, fsync_tree, sha256_file
+from .safeio import sha256_file
 
 log = logging.getLogger("basis_lite")
 
-UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
-ROUNDING_FACTOR = 16  # round-trip tolerance in units of u (measured 3.2u bf16 / 5.7u fp16 on SmolLM2-135M)
-FP32_NOISE_REL = 2.0 ** -13  # fp32 summation-order noise allowance, relative to max |logit|
-ABS_FLOOR = 1e-6  # keeps the tolerance positive for a model whose logits are all ~0
-CHECK_PROMPTS = 4
-EXPORT_REPORT = "basis_lite_export.json"
-FALLBACK_QUESTIONS = [("What is $17 + 25$?", "42"), ("What is $9 \\times 7$?", "63"),
-                      ("Solve for $x$: $3x + 4 = 19$.", "5"), ("What is $128 \\div 4$?", "32")]
 ADAPTER_FILES_SKIPPED = {"README.md", "eval.json", "eval_base.json"}  # peft's generic README is replaced by ours
-
-
-def default_tolerance(dtype: torch.dtype, max_abs_logit: float) -> float:
-    """Round-trip tolerance (absolute logits) for weights saved in `dtype`; see the module docstring."""
-    return (ROUNDING_FACTOR * UNIT_ROUNDOFF[dtype] + FP32_NOISE_REL) * max_abs_logit + ABS_FLOOR
-
-
-def merge_tolerance(max_abs_logit: float) -> float:
-    """The fp32 merged model against base + adapter (fp32, unmerged): only summation order differs."""
-    return FP32_NOISE_REL * max_abs_logit + ABS_FLOOR
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -120,7 +115,7 @@ def export_run(run_dir: str | Path, out: str | Path, merged: bool = False, dtype
     if gguf is not None:
         from .gguf_export import export_gguf
 
-        report = export_gguf(cfg, target, out, gguf, tolerance=tolerance)
+        report = export_gguf(cfg, target, out, gguf, tolerance=tolerance, merge=export_merged)
     elif merged:
         report = export_merged(cfg, target, out, dtype_name=dtype, tolerance=tolerance)
     else:
@@ -128,64 +123,6 @@ def export_run(run_dir: str | Path, out: str | Path, merged: bool = False, dtype
             log.warning("--dtype and --tolerance only apply with --merged; the adapter is copied as trained")
         report = export_adapter(cfg, target, out)
     return {**report, "out": str(out)}
-
-
-def check_destination(out: Path) -> None:
-    """Never write over anything: --out must not exist or be an empty folder."""
-    if out.exists() or out.is_symlink():
-        if not out.is_dir():
-            raise ConfigError(f"--out {out}: exists and is not a folder; choose a new folder")
-        if any(out.iterdir()):
-            raise ConfigError(f"--out {out}: folder exists and is not empty; basis-lite never writes over an "
-                              f"export; choose a new folder or remove it first")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# staging: write into a temp folder next to DIR, rename at the end, clean up on any failure
-
-
-class _Staging:
-    def __init__(self, out: Path):
-        self.out = out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def __enter__(self) -> Path:
-        self.tmp.mkdir()
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:  # publish: the temp folder becomes `out`
-            try:
-                fsync_tree(self.tmp)
-                check_destination(self.out)  # another process may have filled it meanwhile
-                if self.out.exists():
-                    self.out.rmdir()  # empty: checked above
-                os.replace(self.tmp, self.out)
-                fsync_dir(self.out.parent)
-                return False
-            except BaseException as e:
-                exc = e
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise self._disk_full(exc) from None
-        if exc_type is None:
-            raise exc
-        return False
-
-    def _disk_full(self, exc: OSError) -> DiskFullError:
-        return DiskFullError(f"no space left on the device while writing the export to {self.out} ({exc}); the "
-                             f"partial export was removed. Free some space or choose --out on another disk")
-
-
-def _need_space(out: Path, nbytes: int) -> None:
-    where = out.parent if out.parent.exists() else Path(".")
-    free = shutil.disk_usage(where).free
-    if free < nbytes:
-        raise DiskFullError(f"not enough free space for the export in {where}: about "
-                            f"{nbytes / 2**20:.0f} MB needed, {free / 2**20:.0f} MB free. Free some space or "
-                            f"choose --out on another disk")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,8 +157,8 @@ def export_adapter(cfg: Config, target: Target, out: Path) -> dict:
     files = [p for p in sorted(src.iterdir()) if p.is_file() and p.name not in ADAPTER_FILES_SKIPPED]
     base_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
     tok = _load_base_tokenizer(base_path, cfg)
-    _need_space(out, sum(p.stat().st_size for p in files) + (32 << 20))
-    with _Staging(out) as tmp:
+    need_space(out, sum(p.stat().st_size for p in files) + (32 << 20))
+    with Staging(out) as tmp:
         for p in files:
             if p.name == "adapter_config.json":
                 _portable_adapter_config(p, tmp / p.name, cfg.model.name)
@@ -250,38 +187,6 @@ def _target_dtype(name: str, base_config) -> torch.dtype:
     if isinstance(declared, str):
         declared = getattr(torch, declared, None)
     return torch.float16 if declared == torch.float16 else torch.bfloat16
-
-
-def check_texts(cfg: Config, tok, n: int = CHECK_PROMPTS) -> list[str]:
-    """Chat-templated questions of the run's eval set with a boxed gold answer appended (the assistant side)."""
-    from .data import format_prompt, load_examples
-
-    items: list[tuple[str, str]] = []
-    try:
-        items = [(ex.question, str(ex.answer)) for ex in load_examples(cfg.data, "eval")[:n]]
-    except Exception as e:  # noqa: BLE001 - the check must not depend on the dataset being reachable here
-        log.warning("self-check: cannot read the run's eval set (%s); using built-in arithmetic questions", e)
-    if not items:
-        items = FALLBACK_QUESTIONS[:n]
-    return [format_prompt(tok, q, cfg.data) + f"The answer is \\boxed{{{a}}}." for q, a in items]
-
-
-@torch.no_grad()
-def _logits(model, ids: list[torch.Tensor]) -> list[torch.Tensor]:
-    model.eval()
-    return [model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0].float() for x in ids]
-
-
-def _max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    d = 0.0
-    for x, y in zip(a, b):
-        if x.shape != y.shape:
-            return float("inf")
-        diff = (x - y).abs()
-        if not torch.isfinite(diff).all():
-            return float("inf")
-        d = max(d, float(diff.max()))
-    return d
 
 
 def _merge_adapter(peft_model):
@@ -356,15 +261,15 @@ def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "aut
     texts = check_texts(cfg, tok, n_prompts)
     max_len = cfg.model.max_seq_length
     ids = [tok(t, return_tensors="pt", add_special_tokens=False).input_ids[:, -max_len:] for t in texts]
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     with model.disable_adapter():
-        base_logits = _logits(model, ids)
+        base_logits = logits(model, ids)
     scale = max(float(r.abs().max()) for r in ref)
-    adapter_effect = _max_abs_diff(ref, base_logits)
+    adapter_effect = max_abs_diff(ref, base_logits)
     del base_logits
 
     merged = _merge_adapter(model)
-    merge_err = _max_abs_diff(ref, _logits(merged, ids))
+    merge_err = max_abs_diff(ref, logits(merged, ids))
     merge_tol = merge_tolerance(scale)
     log.info("merge check (fp32): max |logit diff| %.3g (tolerance %.3g)", merge_err, merge_tol)
     if not merge_err <= merge_tol:
@@ -381,16 +286,16 @@ def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "aut
     # (parameters only: non-persistent buffers such as rotary frequencies are recomputed in fp32 on reload)
     for p in merged.parameters():
         p.data = p.data.to(dtype).to(torch.float32)  # rounding happens in the first cast; the second is exact
-    rounded = _logits(merged, ids)
-    rounding_err = _max_abs_diff(ref, rounded)
+    rounded = logits(merged, ids)
+    rounding_err = max_abs_diff(ref, rounded)
     merged = merged.to(dtype)
     if hasattr(merged.config, "quantization_config"):
         del merged.config.quantization_config
     n_params = sum(p.numel() for p in merged.parameters())
     est_bytes = n_params * torch.tensor([], dtype=dtype).element_size() + (64 << 20)
-    _need_space(out, est_bytes)
+    need_space(out, est_bytes)
 
-    with _Staging(out) as tmp:
+    with Staging(out) as tmp:
         _save_model(merged, tok, tmp)
         del merged, model, base
         _collect(n_params)
@@ -404,11 +309,11 @@ def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "aut
             raise ModelError(f"export self-check FAILED: weights saved as {sorted(dtypes)}, expected "
                              f"{SAFETENSORS_DTYPE[dtype]}")
         reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)  # plain transformers
-        got = _logits(reloaded, ids)
+        got = logits(reloaded, ids)
         del reloaded
         _collect(n_params)
-        diff = _max_abs_diff(ref, got)
-        roundtrip_err = _max_abs_diff(rounded, got)
+        diff = max_abs_diff(ref, got)
+        roundtrip_err = max_abs_diff(rounded, got)
         check = {"max_abs_diff": diff, "tolerance": tol, "tolerance_rule": "given with --tolerance"
                  if tolerance is not None else f"({ROUNDING_FACTOR}*u + 2^-13) * max|logit|, "
                  f"u={UNIT_ROUNDOFF[dtype]:.3g}", "max_abs_logit": scale, "merge_max_abs_diff": merge_err,
@@ -440,22 +345,6 @@ def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "aut
 
 # ----------------------------------------------------------------------------------------------------------------
 # READMEs
-
-
-def _run_line(cfg: Config, target: Target) -> str:
-    line = (f"Trained by basis-lite (RL from verifiable rewards, {cfg.estimator.name} baseline, one rollout per "
-            f"prompt) on `{cfg.data.dataset}` for {cfg.train.steps} steps over the base model `{cfg.model.name}`"
-            f"{' (4-bit NF4 while training)' if cfg.model.load_in_4bit else ''}. Run folder: `{target.run_dir}`.")
-    summary = target.run_dir / "summary.json"
-    try:
-        s = json.loads(summary.read_text())
-        before, after = (s.get("eval_before") or {}), (s.get("eval_after") or {})
-        if "accuracy" in after:
-            line += (f"\n\nHeld-out greedy accuracy (n={after.get('n')}): "
-                     f"{before.get('accuracy', float('nan')):.3f} before training, {after['accuracy']:.3f} after.")
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass
-    return line
 
 
 def _prompt_note(cfg: Config) -> str:
@@ -492,7 +381,7 @@ print(tok.decode(out[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True
 def _adapter_readme(cfg: Config, target: Target, out: Path, base_path: str) -> str:
     return f"""# LoRA adapter (basis-lite export)
 
-{_run_line(cfg, target)}
+{run_line(cfg, target.run_dir)}
 
 This folder holds the adapter in peft format (`adapter_config.json`, `adapter_model.safetensors`), the base
 model's tokenizer with the chat template training used, and the basis-lite run config (`{ADAPTER_RUN_CONFIG}`).
@@ -522,7 +411,7 @@ def _merged_readme(cfg: Config, target: Target, out: Path, report: dict) -> str:
     c = report["check"]
     return f"""# Merged model (basis-lite export)
 
-{_run_line(cfg, target)}
+{run_line(cfg, target.run_dir)}
 
 The LoRA adapter `{target.adapter}` was merged into a float32 copy of the base and saved as {report['dtype']}
 safetensors with the base tokenizer and the chat template training used. It loads in plain transformers or vLLM; no peft needed.

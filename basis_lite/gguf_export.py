@@ -1,6 +1,6 @@
 """GGUF export for llama.cpp, Ollama and LM Studio (`basis-lite export RUN --gguf f16|q8_0 --out DIR`).
 
-    export_gguf(cfg, target, out, gguf_type="q8_0", tolerance=None) -> report
+    export_gguf(cfg, target, out, gguf_type="q8_0", tolerance=None, merge=export.export_merged) -> report
 
 Step by step:
 
@@ -8,7 +8,7 @@ Step by step:
    vendored in the llama-cpp-python source distribution on the package index (pinned version and sha256 in
    `downloads.py`; only those Python files are extracted, nothing is compiled), fetched once into the cache
    (`llama_cpp_converter`). It needs `sentencepiece` (`pip install 'basis-lite[gguf]'`).
-2. The adapter is merged and saved in float32 by the merged export (`export.export_merged`, with its own checks
+2. The adapter is merged and saved in float32 by the merged export (`export.export_merged`, passed in as `merge`, with its own checks
    against base + adapter), into a temporary folder, with the chat template training used.
 3. The converter runs on that folder in a fresh interpreter (`_llama_convert.py`) and writes `model-<type>.gguf`.
 4. SELF-CHECK, against the merged float32 model: the GGUF is reloaded with plain transformers
@@ -49,19 +49,18 @@ import torch
 from .config import Config, cache_root, save_config
 from .downloads import LLAMA_CPP_CACHE_DIR, LLAMA_CPP_SDIST, pip_download
 from .errors import ConfigError, ModelError
-from .export import (
+from .export_check import (
     ABS_FLOOR,
     CHECK_PROMPTS,
     EXPORT_REPORT,
     FP32_NOISE_REL,
     ROUNDING_FACTOR,
-    _logits,
-    _max_abs_diff,
-    _need_space,
-    _run_line,
-    _Staging,
+    Staging,
     check_texts,
-    export_merged,
+    logits,
+    max_abs_diff,
+    need_space,
+    run_line,
 )
 from .runs import ADAPTER_RUN_CONFIG, Target
 
@@ -203,14 +202,14 @@ def self_check(merged_dir: Path, folder: Path, gguf_name: str, cfg: Config, gguf
     ids = [ref_tok(t, return_tensors="pt", add_special_tokens=False).input_ids[:, -cfg.model.max_seq_length:]
            for t in texts]
     ref_model = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32)
-    ref = _logits(ref_model, ids)
+    ref = logits(ref_model, ids)
     del ref_model
     gguf_model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf_name, dtype=torch.float32)
-    got = _logits(gguf_model, ids)
+    got = logits(gguf_model, ids)
     del gguf_model
     scale = max(float(r.abs().max()) for r in ref)
     tol = float(tolerance) if tolerance is not None else gguf_tolerance(gguf_type, scale)
-    diff = _max_abs_diff(ref, got)
+    diff = max_abs_diff(ref, got)
     same = sum(int((r.argmax(-1) == g.argmax(-1)).sum()) for r, g in zip(ref, got) if r.shape == g.shape)
     positions = sum(x.shape[1] for x in ids)
     check = {"max_abs_diff": diff, "tolerance": tol,
@@ -265,7 +264,9 @@ def ollama_modelfile(cfg: Config, tok, gguf_name: str) -> str | None:
 
 
 def export_gguf(cfg: Config, target: Target, out: Path, gguf_type: str = "q8_0",
-                tolerance: float | None = None) -> dict:
+                tolerance: float | None = None, *, merge) -> dict:
+    """Write the GGUF export of `target` to `out` (see the module docstring). `merge(cfg, target, folder,
+    dtype_name="float32")` writes the checked fp32 merged model the converter reads (export.export_merged)."""
     if gguf_type not in GGUF_TYPES:
         raise ConfigError(f"--gguf: {gguf_type!r} is not a supported type; accepted: {', '.join(GGUF_TYPES)}")
     check_converter_requirements()
@@ -274,15 +275,15 @@ def export_gguf(cfg: Config, target: Target, out: Path, gguf_type: str = "q8_0",
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.gguf-work-") as work:
         merged_dir = Path(work) / "merged"
-        merged = export_merged(cfg, target, merged_dir, dtype_name="float32")
+        merged = merge(cfg, target, merged_dir, dtype_name="float32")
         n_params = merged["size_mb"] * 2**20 / 4
-        _need_space(out, int(n_params * GGUF_BYTES_PER_WEIGHT[gguf_type]) + (64 << 20))
+        need_space(out, int(n_params * GGUF_BYTES_PER_WEIGHT[gguf_type]) + (64 << 20))
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(merged_dir))
         template = tok.chat_template
         gguf_name = f"model-{gguf_type}.gguf"
-        with _Staging(out) as tmp:
+        with Staging(out) as tmp:
             convert(converter, merged_dir, tmp / gguf_name, gguf_type)
             check = self_check(merged_dir, tmp, gguf_name, cfg, gguf_type, tolerance, template)
             (tmp / "chat_template.jinja").write_text(template)
@@ -309,7 +310,7 @@ def _gguf_readme(cfg: Config, target: Target, out: Path, report: dict) -> str:
               "the only format this export writes an Ollama template for; give Ollama a TEMPLATE by hand")
     return f"""# GGUF (basis-lite export, {report['gguf_type']})
 
-{_run_line(cfg, target)}
+{run_line(cfg, target.run_dir)}
 
 `{name}`: the LoRA adapter merged into a float32 copy of the base, converted by llama.cpp's own
 `convert_hf_to_gguf.py` ({report['converter']}) to {report['gguf_type']}. The file embeds the tokenizer

@@ -108,9 +108,9 @@ def gold_answer(text: str, style: str = "any") -> str | None:
     if style != "math" and "####" in text:
         return text.rsplit("####", 1)[1].strip().replace(",", "") or None
     if style != "gsm8k":
-        from ..rewards import _last_nonempty_boxed
+        from ..answers import last_nonempty_boxed
 
-        box = _last_nonempty_boxed(text.replace("\\fbox", "\\boxed"))
+        box = last_nonempty_boxed(text.replace("\\fbox", "\\boxed"))
         if box is not None:
             return box.strip()
     return text if style == "any" else None
@@ -207,7 +207,7 @@ def _check_fields(raw_rows: list[tuple[int, Any]], qf: str, af: str, where: str,
 def _select(rows: list[_Row], n: int | None, seed_tag: str, where: str, max_bad: float, label: str,
             shuffle: bool = True) -> list[_Row]:
     """Take up to n rows (None = all) in seeded order whose gold answer math-verify can parse."""
-    from ..rewards import gold_is_parseable
+    from ..answers import gold_is_parseable
 
     order = list(rows)
     if shuffle:
@@ -361,7 +361,7 @@ def _local(cfg, split: str, path: Path) -> list[Example]:
         n_eval = len(rows) // 2
     where = f"{path} ({split} split)"
     # the eval rows are the first n_eval parseable ones in seeded order; the rest (in order) are for training
-    from ..rewards import gold_is_parseable
+    from ..answers import gold_is_parseable
     cut, good = 0, 0
     while cut < len(rows) and good < n_eval:
         good += gold_is_parseable(rows[cut].answer)

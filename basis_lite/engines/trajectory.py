@@ -31,15 +31,7 @@ import math
 import torch
 
 from ..models import middle_layer_states
-
-STATS = ("entropy_mean", "entropy_max", "answer_entropy", "answer_logprob", "logprob_mean", "log_length",
-         "finished")
-N_STATS = len(STATS)
-
-
-def split(trajectory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden [..., H], stats [..., N_STATS]) of trajectory features [..., H + N_STATS]."""
-    return trajectory[..., :-N_STATS], trajectory[..., -N_STATS:]
+from ..trajectory_layout import N_STATS, STATS, split  # noqa: F401  (the layout, re-exported)
 
 
 def answer_span(tokens: list[str]) -> tuple[int, int]:

@@ -7,8 +7,9 @@ Every estimator is a function with one signature,
 (B prompts x G rollouts each), registered with an ``EstimatorSpec`` that says how many rollouts per prompt it needs,
 which side information it can use (prompt features, an offline prior, the per-prompt history) and which options it
 takes. The trainer looks the spec up by ``estimator.name`` and calls ``spec.compute(rewards, ctx)``; it never
-branches on the name. The functions live in torch modules (simple.py, basis.py) imported on the first ``compute``,
-so this package, the registry and the option checks load without torch (config validation uses them).
+branches on the name. The specs are this torch-free table (config validation reads it); each function sits in a
+torch module (simple.py, basis.py, poise.py) under ``@estimator("name")`` (base.py), which binds it to its spec.
+Those modules are imported on the first ``compute``.
 
 Registered here:
 
@@ -28,7 +29,6 @@ imports it on first access.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -67,7 +67,7 @@ class EstimatorContext:
 class EstimatorSpec:
     """One registered estimator: its name, what it needs and uses, and where its function is.
 
-    fn: the function, or "module:function" imported on the first ``compute`` (so registering needs no torch).
+    fn: the function, or None: the one bound to ``name`` by ``@estimator`` in the package's torch modules.
     check_options: options -> options, raising ConfigError that names ``estimator.options.<key>`` (torch-free);
         None means the estimator takes no options.
     whitened: the advantages come out already divided by the batch std, so ``ctx.normalize`` leaves them as they are.
@@ -83,7 +83,7 @@ class EstimatorSpec:
     uses_prior: bool = False
     uses_history: bool = False
     description: str = ""
-    fn: str | Callable = ""
+    fn: Callable | None = None
     check_options: Callable[[dict], dict] | None = None
     whitened: bool = False
     uses_trajectory: bool = False
@@ -105,11 +105,17 @@ class EstimatorSpec:
         return self.check_options(options)
 
     def function(self) -> Callable:
-        """The estimator function, imported on first use."""
-        if callable(self.fn):
+        """The estimator function: ``fn``, or the one ``@estimator(name)`` bound (its modules imported now)."""
+        if self.fn is not None:
             return self.fn
-        module, _, attr = self.fn.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        from . import basis, poise, simple  # noqa: F401  (torch, only now: their @estimator lines bind the functions)
+        from .base import bound_function
+
+        fn = bound_function(self.name)
+        if fn is None:
+            raise ValueError(f"estimator {self.name!r} is registered but no function is bound to it; put "
+                             f"@estimator({self.name!r}) above it and import its module first")
+        return fn
 
     def compute(self, rewards, ctx: EstimatorContext) -> tuple:
         """(advantages [B, G], baselines [B, G]) for rewards [B, G] (B prompts x G rollouts).
@@ -141,8 +147,9 @@ def register(spec: EstimatorSpec) -> EstimatorSpec:
         raise TypeError(f"register() takes an EstimatorSpec, got {type(spec).__name__}")
     if not spec.name or spec.name in _REGISTRY:
         raise ValueError(f"estimator name {spec.name!r} is empty or already registered")
-    if not (callable(spec.fn) or (isinstance(spec.fn, str) and ":" in spec.fn)):
-        raise ValueError(f"estimator {spec.name!r}: fn must be the function or 'module:function', got {spec.fn!r}")
+    if spec.fn is not None and not callable(spec.fn):
+        raise ValueError(f"estimator {spec.name!r}: fn must be the function or None (bound by @estimator), got "
+                         f"{spec.fn!r}")
     if not isinstance(spec.min_rollouts, int) or spec.min_rollouts < 1:
         raise ValueError(f"estimator {spec.name!r}: min_rollouts must be an integer >= 1, got {spec.min_rollouts!r}")
     _REGISTRY[spec.name] = spec
@@ -175,32 +182,27 @@ register(EstimatorSpec(
     "basis", min_rollouts=1, uses_features=True, uses_prior=True, uses_history=True,
     description="BASIS: each prompt's baseline from the other prompts of the batch (kernel-weighted by prompt "
                 "similarity, shrunk toward a calibrated prior); b_i never uses r_i",
-    fn="basis_lite.estimators.basis:basis", check_options=basis_options.validate_options))
+    check_options=basis_options.validate_options))
 register(EstimatorSpec(
     "reinforce_pp", min_rollouts=1,
-    description="REINFORCE++: whitening over the whole batch; the baseline (batch mean) includes r_i",
-    fn="basis_lite.estimators.simple:reinforce_pp", whitened=True))
+    description="REINFORCE++: whitening over the whole batch; the baseline (batch mean) includes r_i", whitened=True))
 register(EstimatorSpec(
     "grpo", min_rollouts=2,
-    description="GRPO: (r - group mean) / group std; the group mean includes r_i",
-    fn="basis_lite.estimators.simple:grpo"))
+    description="GRPO: (r - group mean) / group std; the group mean includes r_i"))
 register(EstimatorSpec(
     "dr_grpo", min_rollouts=2,
-    description="Dr. GRPO: r - group mean (no std division); the group mean includes r_i",
-    fn="basis_lite.estimators.simple:dr_grpo"))
+    description="Dr. GRPO: r - group mean (no std division); the group mean includes r_i"))
 register(EstimatorSpec(
     "rloo", min_rollouts=2,
-    description="RLOO: r - mean of the other G - 1 rollouts of the prompt; b_i never uses r_i",
-    fn="basis_lite.estimators.simple:rloo"))
+    description="RLOO: r - mean of the other G - 1 rollouts of the prompt; b_i never uses r_i"))
 register(EstimatorSpec(
     "basis_probe", min_rollouts=1, uses_features=True, uses_history=True,
     description="BASIS with an online prompt probe as its prior (ridge on the prompts' hidden states, refit on "
-                "earlier steps); b_i never uses r_i",
-    fn="basis_lite.estimators.poise:basis_probe", check_options=probe_options.validate_basis_probe,
+                "earlier steps); b_i never uses r_i", check_options=probe_options.validate_basis_probe,
     replay_capacity=probe_options.replay_capacity_probe))
 register(EstimatorSpec(
     "poise", min_rollouts=2, uses_features=True, uses_trajectory=True,
     description="POISE: each rollout's baseline is an online probe's prediction from the OTHER rollouts of its "
                 "prompt (their hidden states and token entropies), refit on earlier steps; b_i never uses r_i",
-    fn="basis_lite.estimators.poise:poise", check_options=probe_options.validate_poise,
+    check_options=probe_options.validate_poise,
     replay_capacity=probe_options.replay_capacity_poise))

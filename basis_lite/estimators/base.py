@@ -1,4 +1,5 @@
-"""Torch helpers shared by the estimators: input checks, exact leave-one-out sums, explained variance.
+"""Torch helpers shared by the estimators: the ``@estimator`` decorator, input checks, exact leave-one-out sums,
+explained variance.
 
 Leave-one-out sums are computed so that entry i never enters out[i] (exclusive prefix plus suffix sums, never
 "total minus own term"), so an estimator built on them is independent of its own reward exactly in floating point,
@@ -13,6 +14,24 @@ import torch
 from torch import Tensor
 
 EPS = 1e-6  # added to standard deviations before dividing
+
+_FUNCTIONS: dict = {}  # estimator name -> its function, filled by @estimator
+
+
+def estimator(name: str):
+    """``@estimator("name")`` above ``fn(rewards, ctx) -> (advantages, baselines)`` binds it to the spec registered
+    under that name in ``basis_lite.estimators`` (the torch-free table the config reads)."""
+    def bind(fn):
+        if name in _FUNCTIONS and _FUNCTIONS[name] is not fn:
+            raise ValueError(f"estimator {name!r} already has a function ({_FUNCTIONS[name].__qualname__})")
+        _FUNCTIONS[name] = fn
+        return fn
+    return bind
+
+
+def bound_function(name: str):
+    """The function bound to ``name`` by ``@estimator``, or None."""
+    return _FUNCTIONS.get(name)
 
 
 def as_float_tensor(x: Any, name: str) -> Tensor:

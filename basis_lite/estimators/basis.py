@@ -23,7 +23,15 @@ import math
 import torch
 from torch import Tensor
 
-from .base import as_float_tensor, check_finite, leave_one_out_mean, leave_one_out_range, leave_one_out_sum, rewards_1d
+from .base import (
+    as_float_tensor,
+    check_finite,
+    estimator,
+    leave_one_out_mean,
+    leave_one_out_range,
+    leave_one_out_sum,
+    rewards_1d,
+)
 from .basis_blocks import (
     blue_terms,
     calibrate_index,
@@ -38,6 +46,7 @@ from .basis_blocks import (
 from .basis_options import parse_options
 
 
+@estimator("basis")
 def basis(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     """The registered estimator: A = r - b, b = ``basis_baseline`` over all B*G rollouts as rows.
 

@@ -59,7 +59,7 @@ _NAMES = tuple(f.name for f in fields(BasisOptions))
 _SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # YAML 1.1 reads 1e-3 (no dot) as a string
 
 
-def _bad(key: str, value: Any, expected: str) -> ConfigError:
+def bad_option(key: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"{PREFIX}.{key}: {value!r} is not accepted; expected {expected}")
 
 
@@ -69,27 +69,27 @@ def check_choice(key: str, value: Any) -> None:
         raise ConfigError(f"{PREFIX}.{key}: {value!r} is not accepted; choose one of {', '.join(allowed)}")
 
 
-def _number(key: str, value: Any, ok, expected: str) -> float | int:
+def number_option(key: str, value: Any, ok, expected: str) -> float | int:
     """A finite real number (not a bool) for which ok(value) holds; '1e-3' strings are read as numbers."""
     v = value
     if isinstance(v, str) and _SCI_FLOAT.fullmatch(v.strip()):
         v = float(v)
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not ok(v):
-        raise _bad(key, value, expected)
+        raise bad_option(key, value, expected)
     return v
 
 
-def _grid(key: str, value: Any, ok, expected: str) -> list:
+def grid_option(key: str, value: Any, ok, expected: str) -> list:
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or len(value) == 0:
-        raise _bad(key, value, f"a non-empty list of {expected}")
-    vals = [_number(key, v, ok, f"a non-empty list of {expected}") for v in value]
+        raise bad_option(key, value, f"a non-empty list of {expected}")
+    vals = [number_option(key, v, ok, f"a non-empty list of {expected}") for v in value]
     return tuple(vals) if isinstance(value, tuple) else vals
 
 
 def _number_or_cv(key: str, value: Any, ok, expected: str) -> Any:
     if value == "cv":
         return value
-    return _number(key, value, ok, f"{expected} or 'cv'")
+    return number_option(key, value, ok, f"{expected} or 'cv'")
 
 
 def validate_options(options: dict) -> dict:
@@ -109,30 +109,30 @@ def validate_options(options: dict) -> dict:
             check_choice(key, value)
         elif key in ("use_prior", "use_features", "clip"):
             if not isinstance(value, bool):
-                raise _bad(key, value, "true or false")
+                raise bad_option(key, value, "true or false")
         elif key == "prior_clip":
-            out[key] = _number(key, value, lambda v: 0.0 < v < 0.5, "a number in (0, 0.5)")
+            out[key] = number_option(key, value, lambda v: 0.0 < v < 0.5, "a number in (0, 0.5)")
         elif key == "prior_k":
             if value is not None:
-                out[key] = _number(key, value, lambda v: v >= 1 and float(v).is_integer(),
+                out[key] = number_option(key, value, lambda v: v >= 1 and float(v).is_integer(),
                                    "null or a whole number >= 1 (reference rollouts per prompt)")
         elif key == "calib_reg":
-            out[key] = _number(key, value, lambda v: v >= 0, "a number >= 0")
+            out[key] = number_option(key, value, lambda v: v >= 0, "a number >= 0")
         elif key == "tau":
-            out[key] = _number(key, value, lambda v: 0.0 <= v < 0.5, "a number in [0, 0.5)")
+            out[key] = number_option(key, value, lambda v: 0.0 <= v < 0.5, "a number in [0, 0.5)")
         elif key == "empty_baseline":
-            out[key] = _number(key, value, lambda v: True, "a finite number")
+            out[key] = number_option(key, value, lambda v: True, "a finite number")
         elif key == "bandwidth":
             out[key] = _number_or_cv(key, value, lambda v: v > 0, "a positive number")
         elif key == "shrink":
             out[key] = _number_or_cv(key, value, lambda v: v >= 0, "a number >= 0")
         elif key == "shift_grid":
             if value is not None:
-                out[key] = _grid(key, value, lambda v: True, "finite numbers (or null: -4 to 4 in steps of 0.1)")
+                out[key] = grid_option(key, value, lambda v: True, "finite numbers (or null: -4 to 4 in steps of 0.1)")
         elif key in ("scale_grid", "bandwidth_grid"):
-            out[key] = _grid(key, value, lambda v: v > 0, "positive numbers")
+            out[key] = grid_option(key, value, lambda v: v > 0, "positive numbers")
         elif key == "shrink_grid":
-            out[key] = _grid(key, value, lambda v: v >= 0, "numbers >= 0")
+            out[key] = grid_option(key, value, lambda v: v >= 0, "numbers >= 0")
     return out
 
 

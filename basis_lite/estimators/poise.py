@@ -32,8 +32,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ..engines.trajectory import N_STATS
-from .base import as_float_tensor, leave_one_out_mean, leave_one_out_sum
+from ..trajectory_layout import N_STATS
+from .base import as_float_tensor, estimator, leave_one_out_mean, leave_one_out_sum
 from .basis import basis
 from .probe import blocks_of, fit_probe
 from .probe_options import poise_options, split_basis_probe
@@ -69,6 +69,7 @@ def fit_poise_probe(buf, o):
                      pca={"prompt": o.pca_prompt, "hidden": o.pca_hidden})
 
 
+@estimator("poise")
 def poise(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     """The registered estimator (see the module docstring): (advantages [B, G], baselines [B, G])."""
     o = poise_options(ctx.options)
@@ -128,6 +129,7 @@ def probe_prior(probe, features: Tensor, ids: list, history: dict | None, po, cl
     return q
 
 
+@estimator("basis_probe")
 def basis_probe(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     """The registered estimator: BASIS with the online prompt probe as its prior (see the module docstring)."""
     po, _ = split_basis_probe(ctx.options)

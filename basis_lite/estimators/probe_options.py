@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from . import basis_options
-from .basis_options import PREFIX, _bad, _grid, _number
+from .basis_options import PREFIX, bad_option, grid_option, number_option
 
 BLOCKS = ("prompt", "hidden", "stats", "reward")  # probe inputs: see poise.py
 PROBES = ("ridge", "logistic")
@@ -56,7 +56,7 @@ _PROBE_NAMES = tuple(f.name for f in fields(ProbeOptions))
 
 def _whole(key: str, value: Any, lo: int, expected: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or float(value) != int(value) or value < lo:
-        raise _bad(key, value, expected)
+        raise bad_option(key, value, expected)
     return int(value)
 
 
@@ -67,22 +67,22 @@ def _check(key: str, value: Any) -> Any:
             value = [value]
         if not isinstance(value, (list, tuple)) or not value or any(v not in BLOCKS for v in value) \
                 or len(set(value)) != len(value):
-            raise _bad(key, value, f"a non-empty list of distinct names from {', '.join(BLOCKS)}")
+            raise bad_option(key, value, f"a non-empty list of distinct names from {', '.join(BLOCKS)}")
         return list(value) if isinstance(value, list) else tuple(value)
     if key == "target":
         if value not in TARGETS:
-            raise _bad(key, value, f"one of {', '.join(TARGETS)}")
+            raise bad_option(key, value, f"one of {', '.join(TARGETS)}")
         return value
     if key == "probe":
         if value not in PROBES:
-            raise _bad(key, value, f"one of {', '.join(PROBES)}")
+            raise bad_option(key, value, f"one of {', '.join(PROBES)}")
         return value
     if key == "ridge":
         if value == "cv":
             return value
-        return _number(key, value, lambda v: v > 0, "a positive number or 'cv'")
+        return number_option(key, value, lambda v: v > 0, "a positive number or 'cv'")
     if key == "ridge_grid":
-        return _grid(key, value, lambda v: v > 0, "positive numbers")
+        return grid_option(key, value, lambda v: v > 0, "positive numbers")
     if key in ("pca_prompt", "pca_hidden"):
         return _whole(key, value, 0, "a whole number >= 0 (0 keeps every dimension)")
     if key == "buffer_size":
@@ -90,10 +90,10 @@ def _check(key: str, value: Any) -> Any:
     if key == "min_rows":
         return _whole(key, value, 2, "a whole number >= 2 (rollouts)")
     if key == "history_weight":
-        return _number(key, value, lambda v: v > 0, "a positive number (pseudo-count)")
+        return number_option(key, value, lambda v: v > 0, "a positive number (pseudo-count)")
     if key in ("recenter", "clip"):
         if not isinstance(value, bool):
-            raise _bad(key, value, "true or false")
+            raise bad_option(key, value, "true or false")
         return value
     raise AssertionError(key)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import EPS, leave_one_out_mean, rewards_1d, rewards_2d
+from .base import EPS, estimator, leave_one_out_mean, rewards_1d, rewards_2d
 
 
 def reinforce_pp_advantages(rewards: Tensor) -> Tensor:
@@ -75,6 +75,7 @@ def dr_grpo_advantages(rewards: Tensor) -> Tensor:
 # the registered estimators: fn(rewards [B, G], ctx) -> (advantages [B, G], baselines [B, G])
 
 
+@estimator("reinforce_pp")
 def reinforce_pp(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     """Whitening of all B*G rewards together; the returned baseline is the batch mean (r_ig included)."""
     B, G = rewards.shape
@@ -83,17 +84,20 @@ def reinforce_pp(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     return adv, base
 
 
+@estimator("grpo")
 def grpo(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     """b = group mean (r_ig included), A = (r - b) / (group std + eps)."""
     return grpo_advantages(rewards), group_mean_baseline(rewards)
 
 
+@estimator("dr_grpo")
 def dr_grpo(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     """b = group mean (r_ig included), A = r - b."""
     base = group_mean_baseline(rewards)
     return rewards - base, base
 
 
+@estimator("rloo")
 def rloo(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     """b = mean of the other G - 1 rollouts of the prompt (r_ig excluded), A = r - b."""
     base = rloo_baseline(rewards)
