@@ -383,7 +383,7 @@ HELP: dict[str, str] = {
                   "with the importance weight capped at 1 + clip_high, detached; TRL: loss_type cispo)",
     "train.loss_aggregation": "how per-token losses become the step's loss: token-mean (TRL: dapo) | "
                               "seq-mean-token-mean (grpo) | local-token-mean (bnpo) | seq-mean-token-sum-norm "
-                              "(dr_grpo); TRL: loss_type",
+                              "(dr_grpo); TRL: loss_type, whose cispo means train.loss=cispo with token-mean",
     "train.importance_sampling_level": "the importance ratio per token | per sequence (GSPO: exp of the mean "
                                        "log-ratio of the sequence); ppo_clip and cispo",
     "train.clip_low": "PPO clip: the ratio's lower bound is 1 - clip_low (TRL: epsilon)",

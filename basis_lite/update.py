@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -219,51 +219,58 @@ def reference_kl(cfg: Config, model, batch: tuple, logprobs: torch.Tensor, mask:
 
 
 @dataclass
-class _Pass:
-    """What one pass over the micro-batches adds up (summed over the ranks before it is read)."""
+class _Step:
+    """One policy_update call: its inputs and what its passes share."""
 
-    loss: float = 0.0
-    kl: float = 0.0
-    clip_fraction: float = 0.0
-    first: dict = field(default_factory=dict)  # first pass only: entropy_sum, ent_tokens, trained
+    cfg: Config
+    model: Any
+    rollouts: list
+    advantages: torch.Tensor
+    pad_id: int
+    device: Any
+    scaler: Any
+    norm: Normalizer  # the whole step's counts (step_normalizer)
+    mbs: list  # micro-batches of rollout indices (micro_batches)
+    eapo_w: list  # per rollout: EAPO token weights or None
+    acc: dict = field(default_factory=lambda: {"sum": 0.0, "n": 0, "max": 0.0, "truncated": 0})  # engine log-ratio
+    first_pass: dict = field(default_factory=dict)  # micro-batch -> (old log-probs, weights) of the first pass
 
-    def as_dict(self) -> dict:
-        return {"loss": self.loss, "kl": self.kl, "clip_fraction": self.clip_fraction, **self.first}
 
-
-def run_pass(cfg: Config, model, rollouts, advantages, mbs, norm: Normalizer, epoch: int, first_pass: dict,
-             eapo_w: list, acc: dict, pad_id: int, device, scaler) -> dict:
-    """Forward and backward over every micro-batch once; returns the pass's statistics. The first pass records
-    each micro-batch's old log-probs (the sampling policy: no step on this batch yet) and weights for the later."""
-    t = cfg.train
-    ep = _Pass(first=dict(entropy_sum=0.0, ent_tokens=0.0, trained=float(sum(map(len, mbs)))) if epoch == 0 else {})
+def run_pass(s: _Step, epoch: int) -> dict:
+    """Forward and backward over every micro-batch once; returns the pass's sums (loss, kl, clip_fraction; the
+    first pass also entropy_sum, ent_tokens, trained). The first pass records each micro-batch's old log-probs (the
+    sampling policy: no step on this batch yet) and weights for the later ones."""
+    cfg, t = s.cfg, s.cfg.train
+    ep = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+    if epoch == 0:
+        ep.update(entropy_sum=0.0, ent_tokens=0.0, trained=float(sum(map(len, s.mbs))))
     opts = LossOptions.from_train(t)
-    for k, mb in enumerate(mbs):
-        batch = tuple(x.to(device) for x in pack_sequences([rollouts[i] for i in mb], cfg.model.max_seq_length,
-                                                             pad_id))
+    for k, mb in enumerate(s.mbs):
+        rolls = [s.rollouts[i] for i in mb]
+        batch = tuple(x.to(s.device) for x in pack_sequences(rolls, cfg.model.max_seq_length, s.pad_id))
         # log-probs of the distribution the rollouts were sampled from: logits / T (T = 0 is greedy: use 1)
-        out = sequence_logprobs(model, *batch, chunk_size=t.logprob_chunk_size,
+        out = sequence_logprobs(s.model, *batch, chunk_size=t.logprob_chunk_size,
                                 temperature=cfg.generation.temperature or 1.0, with_entropy=epoch == 0)
         if epoch == 0:
             old = out.logprobs.detach()
-            weights = behaviour_weights(cfg, [rollouts[i] for i in mb], [eapo_w[i] for i in mb], old, out.mask, acc)
+            weights = behaviour_weights(cfg, rolls, [s.eapo_w[i] for i in mb], old, out.mask, s.acc)
             if t.ppo_epochs > 1:
-                first_pass[k] = (old, weights)
+                s.first_pass[k] = (old, weights)
         else:
-            old, weights = first_pass[k]
-        pb = PolicyBatch(out.logprobs, old, advantages[mb].to(device), out.mask)
-        loss, ls = compute_policy_loss(t.loss, t.loss_aggregation, pb, opts, norm, weights)
+            old, weights = s.first_pass[k]
+        pb = PolicyBatch(out.logprobs, old, s.advantages[mb].to(s.device), out.mask)
+        loss, ls = compute_policy_loss(t.loss, t.loss_aggregation, pb, opts, s.norm, weights)
         if t.kl_coef > 0:
-            kl = reference_kl(cfg, model, batch, out.logprobs, out.mask, norm)
+            kl = reference_kl(cfg, s.model, batch, out.logprobs, out.mask, s.norm)
             loss = loss + t.kl_coef * kl
-            ep.kl += kl.item()
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        ep.loss += loss.item()
-        ep.clip_fraction += float(ls["clip_fraction"]) * int(out.mask.sum()) / max(1, norm.num_tokens)
+            ep["kl"] += kl.item()
+        (s.scaler.scale(loss) if s.scaler is not None else loss).backward()
+        ep["loss"] += loss.item()
+        ep["clip_fraction"] += float(ls["clip_fraction"]) * int(out.mask.sum()) / max(1, s.norm.num_tokens)
         if out.entropy is not None:
-            ep.first["entropy_sum"] += float((out.entropy * out.mask).sum())
-            ep.first["ent_tokens"] += int(out.mask.sum())
-    return ep.as_dict()
+            ep["entropy_sum"] += float((out.entropy * out.mask).sum())
+            ep["ent_tokens"] += int(out.mask.sum())
+    return ep
 
 
 def optimizer_step(cfg: Config, optimizer, params, scaler, loss: float, trained: int, step: int) -> tuple:
@@ -310,21 +317,18 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
     the ranks before clipping, so every rank takes the same steps.
     """
     ranks = ranks if ranks is not None else Ranks()
-    norm = step_normalizer(cfg, rollouts, ranks)
-    mbs = micro_batches(cfg, rollouts, advantages)
     stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
     eapo_w: list = [None] * len(rollouts)
     if cfg.eapo.prior_adapter:
         eapo_w, eapo_stats = eapo_token_weights(cfg, rollouts)
         stats.update(eapo_stats)
-    acc = {"sum": 0.0, "n": 0, "max": 0.0, "truncated": 0}
-    first_pass: dict = {}  # micro-batch -> (old log-probs, weights) of the first pass, for the later ones
+    s = _Step(cfg, model, rollouts, advantages, pad_id, device, scaler, norm=step_normalizer(cfg, rollouts, ranks),
+              mbs=micro_batches(cfg, rollouts, advantages), eapo_w=eapo_w)
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     grad_norms: list = []
     for epoch in range(cfg.train.ppo_epochs):
-        ep = run_pass(cfg, model, rollouts, advantages, mbs, norm, epoch, first_pass, eapo_w, acc, pad_id, device,
-                      scaler)
+        ep = run_pass(s, epoch)
         ranks.reduce_update(params, ep)  # gradients and this pass's statistics summed over the ranks
         if epoch == 0:
             entropy_sum, ent_tokens = ep.pop("entropy_sum"), int(round(ep.pop("ent_tokens")))
@@ -341,5 +345,5 @@ def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Ten
     stats["grad_norm"] = sum(grad_norms) / passes
     stats["trained_sequences"] = trained
     stats["entropy"] = entropy_sum / ent_tokens if ent_tokens else float("nan")
-    stats.update(engine_ratio_stats(cfg, acc, ranks))
+    stats.update(engine_ratio_stats(cfg, s.acc, ranks))
     return stats, ok
