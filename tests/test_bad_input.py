@@ -216,16 +216,16 @@ def _cfg(*overrides):
 
 
 def test_nan_loss_skips_the_step_then_aborts(tmp_path, monkeypatch, caplog):
+    import basis_lite.losses as losses
     import basis_lite.trainer as trainer
-    import basis_lite.update as update
 
-    real = update.ppo_clip_loss
+    real = losses.get_policy_loss("ppo_clip")
 
-    def nan_loss(*args, **kwargs):
-        loss, stats = real(*args, **kwargs)
-        return loss * float("nan"), stats
+    def nan_loss(batch, opts):
+        per_token, stats = real(batch, opts)
+        return per_token * float("nan"), stats
 
-    monkeypatch.setattr(update, "ppo_clip_loss", nan_loss)
+    monkeypatch.setitem(losses._LOSS_FNS, "ppo_clip", nan_loss)  # the registered default loss
     run = tmp_path / "run"
     cfg = _cfg("train.steps=5", "train.max_bad_steps=2", "train.save_every=1")
     with pytest.raises(trainer.TrainingAborted, match=r"2 non-finite losses in a row at step 2.*lower train\.lr"):
