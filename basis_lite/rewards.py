@@ -49,6 +49,10 @@ not killed with it; it can use up memory, CPU and disk. Trust reward code as you
 debugging). Scripts that create a RewardScorer need an ``if __name__ == "__main__":`` guard (spawn re-imports the
 main script).
 
+Where the code is: answers.py (the answer check: boxed extraction, math-verify, correctness, format; torch-free),
+reward_worker.py (loading user functions, their signature check, the isolated worker), this module (the scorer and
+the data columns; it re-exports the public names of the other two).
+
 math-verify always runs in the main process. Its timeouts use ``signal.alarm``, which only works in the main
 thread; from other threads it is called with its timeouts disabled.
 """
