@@ -90,7 +90,10 @@ def test_cpu_quickstart_runs_with_the_smoke_preset(tmp_path):
     cfg = yaml.safe_load((own / "config.yaml").read_text())
     assert cfg["data"]["dataset"] == "my_data.jsonl" and cfg["reward"]["functions"] == ["my_rewards:short_answer"]
     steps = [json.loads(line) for line in (own / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in steps if "reward_mean" in m] == [1, 2]
+    trained = [m for m in steps if "reward_mean" in m]
+    assert [m["step"] for m in trained] == [1, 2]
+    # the random model is never right (correctness 0), so a reward above 0 is the notebook's short_answer at work
+    assert all(m["reward_mean"] > 0 for m in trained), trained
     assert "held-out accuracy on my_data.jsonl:" in text
 
 
