@@ -26,7 +26,7 @@ def evaluate(engine, tokenizer, examples, data_cfg, max_new_tokens: int = 64, re
     Returns {"accuracy", "n", "by_level": {level: {"accuracy", "n"}}, ["pass@1_sampled", "pass@k", "k"]};
     "accuracy" is None when `examples` is empty.
     """
-    prompts = [format_prompt(tokenizer, ex.question, data_cfg) for ex in examples]
+    prompts = [format_prompt(tokenizer, ex.prompt, data_cfg) for ex in examples]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     correct = []
     bar = tqdm(total=len(prompts), desc=desc, disable=not progress, leave=False)

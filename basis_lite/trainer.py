@@ -308,7 +308,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
                                 wandb_project=cfg.train.wandb_project) if ranks.is_main
                      else distributed.NullMetrics()),
             estimator=get_estimator(cfg.estimator.name),
-            prompt_of={ex.id: format_prompt(tok, ex.question, cfg.data) for ex in train_ex},
+            prompt_of={ex.id: format_prompt(tok, ex.prompt, cfg.data) for ex in train_ex},
             eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress, ranks=ranks,
             per_prompt_rng=distributed.per_prompt_rng(cfg, ranks))
         if run.estimator.replay_capacity is not None:
@@ -415,7 +415,7 @@ def score(run: RunState, batch, rollouts):
     stops the run (RewardError); after that a failing batch scores 0 and is counted in `reward_warnings`."""
     G = run.cfg.estimator.rollouts_per_prompt
     golds = [ex.answer for ex in batch for _ in range(G)]
-    scored = run.scorer([r.prompt for r in rollouts], [r.text for r in rollouts], golds,
+    scored = run.scorer([ex.prompt for ex in batch for _ in range(G)], [r.text for r in rollouts], golds,
                         columns=example_columns(batch, run.cfg.data, repeat=G),
                         completion_ids=[r.completion_ids for r in rollouts])
     return torch.tensor(scored.total, dtype=torch.float32).view(len(batch), G), scored
