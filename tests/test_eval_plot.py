@@ -51,6 +51,47 @@ def test_eval_run_folder_writes_json_and_prints_table(run, capsys):
     assert "greedy pass@1" in out and "overall" in out and "level 1" in out and str(run / "eval.json") in out
 
 
+def test_eval_writes_per_problem_samples_and_shows_misses(run, tmp_path, capsys):
+    """eval_samples.jsonl beside the JSON: one line per problem whose verdicts recompute from its own completion
+    and gold and add up to the accuracy; --show-misses prints the misses."""
+    from basis_lite.data import load_examples
+    from basis_lite.evaluate import extracted_answer
+    from basis_lite.rewards import correctness
+    from basis_lite.runs import load_run_config, resolve_target
+
+    out = tmp_path / "e.json"
+    assert cli.main(["eval", str(run), "--limit", "4", "--out", str(out), "--show-misses", "2"]) == 0
+    res = json.loads(out.read_text())
+    samples = tmp_path / "e_samples.jsonl"
+    assert res["samples_file"] == str(samples)
+    recs = [json.loads(line) for line in samples.read_text().splitlines()]
+    examples = load_examples(load_run_config(resolve_target(run)).data, "eval")[:4]
+    assert [r["id"] for r in recs] == [ex.id for ex in examples]
+    assert [r["gold"] for r in recs] == [ex.answer for ex in examples]
+    assert [r["prompt"] for r in recs] == [ex.question for ex in examples]
+    assert [r["level"] for r in recs] == [ex.meta["level"] for ex in examples]
+    for r in recs:
+        assert r["correct"] == bool(correctness(r["completion"], r["gold"]))
+        assert r["extracted"] == extracted_answer(r["completion"])
+        assert r["prompt_text"].endswith("assistant\n") and r["prompt"] in r["prompt_text"]
+    assert sum(r["correct"] for r in recs) / len(recs) == pytest.approx(res["accuracy"])
+    printed = capsys.readouterr().out
+    misses = [r for r in recs if not r["correct"]]
+    assert f"{len(misses)} of 4 problems missed" in printed
+    for r in misses[:2]:
+        assert f"- {r['id']}" in printed and f"gold {r['gold']!r}" in printed
+    for r in misses[2:]:
+        assert f"- {r['id']}" not in printed
+
+
+def test_extracted_answer():
+    from basis_lite.evaluate import extracted_answer
+
+    assert extracted_answer("so \\boxed{3} then \\boxed{ 42 } and \\boxed{}") == "42"
+    assert extracted_answer("no box, 17") is None
+    assert extracted_answer("no box, 17", require_boxed=False) == "17"
+
+
 def test_eval_adapter_folder_with_samples_gives_pass_at_k(run, tmp_path, capsys):
     out = tmp_path / "sub" / "e.json"
     assert cli.main(["eval", str(run / "adapter"), "--samples", "2", "--limit", "2", "--out", str(out)]) == 0
@@ -89,6 +130,7 @@ def test_eval_checkpoint_folder_and_dataset_file(run, tmp_path):
     (["eval", "{run}", "--dataset", "no-such-dataset"], "data.dataset"),
     (["eval", "{run}", "--set", "train.no_such_key=1"], "unknown config key"),
     (["eval", "{run}", "--samples", "-1"], "--samples"),
+    (["eval", "{run}", "--show-misses", "-1"], "--show-misses"),
 ])
 def test_eval_user_errors_exit_2(run, tmp_path, capsys, argv, message):
     argv = [a.format(tmp=tmp_path, run=run) for a in argv]
