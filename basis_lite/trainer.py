@@ -41,7 +41,7 @@ from .estimators.probe import ReplayBuffer
 from .evaluate import evaluate
 from .faults import maybe_kill
 from .metrics import MetricsLog
-from .models import cache_root, count_parameters, peak_memory_mb
+from .models import cache_root, count_parameters, peak_memory_mb, reset_peak_memory
 from .priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
 from .rewards import RewardScorer, column_names, example_columns
 from .runtime import build_policy, seed_everything, setup_device
@@ -119,6 +119,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
         bar = tqdm(total=cfg.train.steps, initial=run.step, desc="train", disable=not run.progress, unit="step")
         for step in range(run.step + 1, cfg.train.steps + 1):
             t_step = time.time()
+            reset_peak_memory(run.device)  # peak_memory_mb of this step's record is this step's own peak
             batch = next(run.sampler)  # the global batch: the same on every rank
             mine = ranks.shard(batch)
             if run.per_prompt_rng:
