@@ -374,3 +374,40 @@ def test_export_errors_exit_2(env, tmp_path, capsys):
     assert cli.main(["export", str(tmp_path / "notarun"), "--out", str(tmp_path / "o")]) == 2
     assert "not a basis-lite run folder" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_builtin_smollm2_adapter_export_answers_like_basis_lite_eval_in_stock_peft(tmp_path):
+    """The same check on the real built-in SmolLM2 (dequantised from Q4_1: only the carried base/ reproduces it):
+    one training step, export, `basis-lite eval` on 6 problems, and plain peft + transformers from the folder."""
+    import subprocess
+
+    from conftest import sets
+
+    from basis_lite.config import load_config_file
+
+    run = tmp_path / "run"
+    over = ["train.steps=1", "train.batch_size=4", "train.micro_batch_size=4", "data.eval_size=6",
+            "model.dtype=float32", "generation.max_new_tokens=16", "train.eval_max_new_tokens=48",
+            "train.eval_every=0"]
+    assert cli.main(["train", "--preset", "cpu-smollm2-arith", "--output", str(run), "--no-progress",
+                     *sets(over)]) == 0
+    _perturb_lora_b(run / "adapter" / "adapter_model.safetensors")  # one step barely moves it
+    out = tmp_path / "adapter-out"
+    assert cli.main(["export", str(run), "--out", str(out)]) == 0
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "base"
+    assert cli.main(["eval", str(out), "--out", str(tmp_path / "eval.json"), "--set", "model.dtype=float32"]) == 0
+    recs = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    cfg = load_config_file(run / "config.yaml")
+    script = tmp_path / "stock_load.py"
+    script.write_text(STOCK_LOAD)
+    proc = subprocess.run([sys.executable, str(script), str(out), cfg.data.instruction,
+                           str(cfg.train.eval_max_new_tokens), str(tmp_path / "eval_samples.jsonl")], cwd=out,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["basis_lite_imported"] is False
+    for name in ("auto", "peft"):
+        assert [a["prompt_text"] for a in got[name]] == [r["prompt_text"] for r in recs], name
+        assert [a["completion"] for a in got[name]] == [r["completion"] for r in recs], name
