@@ -28,6 +28,7 @@ from .config import Config
 from .errors import ConfigError
 from .faults import maybe_kill
 from .losses import bpo_loss, kl_k3, masked_mean, ppo_clip_loss, sequence_logprobs
+from .models import training_attention
 
 # step metrics policy_update adds when they apply (the trainer copies those present into metrics.jsonl)
 OPTIONAL_STEP_METRICS = ("engine_log_ratio_mean", "engine_log_ratio_max", "mismatch_truncated_fraction",
@@ -159,6 +160,13 @@ def behaviour_weights(cfg: Config, rollouts, eapo_w, old: torch.Tensor, mask: to
 
 def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
                   step: int = 0, scaler=None, ranks=None):
+    """See `_policy_update`; runs it with the update's attention kernel (models.training_attention)."""
+    with training_attention(model):
+        return _policy_update(cfg, model, optimizer, rollouts, advantages, pad_id, device, step, scaler, ranks)
+
+
+def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
+                   step: int = 0, scaler=None, ranks=None):
     """`train.ppo_epochs` optimizer steps on one batch of rollouts; each accumulates the token-level loss over the
     micro-batches, then clips and steps. Returns (stats, ok).
 
