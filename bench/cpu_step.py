@@ -66,6 +66,18 @@ pass only the completion tokens. vLLM computes no padding: its prefill counts th
 sampled token after the first costs one decode position. Tokens (and tokens/s) count useful tokens: real prompt
 tokens for prefill and training, sampled tokens for decode and generation. GFLOP/s = FLOPs / seconds.
 
+Roofline. Each part with FLOPs gets "x roofline" = seconds / (FLOPs / peak of the model's dtype): 1.0 would be every
+counted FLOP at the best measured GEMM rate; the step summary gives the whole step's FLOPs, roofline seconds and
+x roofline (the step's FLOPs are generation's plus the update's; reward and advantages add seconds, no FLOPs).
+
+Memory. The child process samples its RSS every 20 ms; "RSS MB" is each phase's peak (the phase starts after
+freed heap memory is handed back, so a peak is the phase's own). The "Where the peak memory comes from" table
+(`memory_breakdown`) splits the update's peak into the process baseline (interpreter and libraries), the frozen
+weights, the LoRA weights, gradients and AdamW moments, the activations the largest micro-batch saves for its
+backward (measured with autograd's saved-tensor hooks), the log-prob head's working set, and what is left (the
+allocator's kept buffers and fragmentation); the KV cache is sized from the shapes. Whole-job peaks, eval and the
+first-run conversion included: bench/job_memory.py.
+
 Other jobs may share the cores: the load average at start and end is recorded with each run. On oversubscribed
 cores libgomp's spinning threads can slow the many small matrix products of decoding several times over;
 --omp-passive (OMP_WAIT_POLICY=PASSIVE, recorded with the run) makes idle threads sleep instead.
