@@ -232,6 +232,7 @@ def cpu_bf16_check() -> Bf16Check:
         return Bf16Check(flags, float(rec["bfloat16"]["total"]), float(rec["float32"]["total"]), "step", True)
     log.info("model.dtype=auto: timing a scaled-down training step in bf16 and fp32 on this CPU (once per machine)")
     rec = {"bfloat16": cpu_step_probe_ms(torch.bfloat16), "float32": cpu_step_probe_ms(torch.float32)}
+    release_memory()  # the probe models' buffers: training never reuses them
     stored[key] = rec
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
