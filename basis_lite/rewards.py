@@ -10,7 +10,8 @@ Built-in rewards (always computed, so they can be logged even with weight 0):
 - ``format_reward(completion)``: 1.0 when a non-empty ``\\boxed{...}`` is present.
 
 User reward functions are given in the config as ``"package.module:function"`` strings (a module in the
-working directory is found without ``PYTHONPATH=.``) and are called batched with keyword arguments, TRL's
+working directory is found without ``PYTHONPATH=.``; a resumed run never imports one from inside its run folder,
+see ``_refuse_code_from``) and are called batched with keyword arguments, TRL's
 convention::
 
     def my_reward(completions, answers, **kwargs) -> list[float]:               # basis-lite's names
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import logging
 import math
@@ -250,17 +252,50 @@ def _cwd_on_path() -> None:
         sys.path.append(cwd)
 
 
-def load_reward_function(spec: str) -> Callable:
+def _refuse_code_from(mod_name: str, spec: str, refused_dirs: Sequence) -> None:
+    """Keep code inside `refused_dirs` (a resumed run's folder) from being imported: their entries leave sys.path
+    (the working directory too, when it lies inside one), and a module found inside one anyway is a RewardError,
+    raised before anything of it runs."""
+    from pathlib import Path
+
+    bases = [Path(d).resolve() for d in refused_dirs]
+    if not bases:
+        return
+
+    def refused(p) -> bool:
+        try:
+            r = Path(p or os.getcwd()).resolve()
+        except (OSError, RuntimeError):
+            return False
+        return any(r == b or b in r.parents for b in bases)
+
+    sys.path[:] = [p for p in sys.path if not refused(p)]
+    try:
+        found = importlib.util.find_spec(mod_name.split(".")[0])
+    except (ImportError, ValueError):
+        return
+    where = [found.origin] if found and found.origin else []
+    where += list(found.submodule_search_locations or []) if found else []
+    bad = [w for w in where if refused(w)]
+    if bad:
+        raise RewardError(f"reward function {spec!r}: module {mod_name!r} would be imported from {bad[0]}, inside "
+                          f"the run folder being resumed; a resumed run never imports code that came inside its "
+                          f"folder. Install the module, or put it on PYTHONPATH outside the run folder")
+
+
+def load_reward_function(spec: str, refused_dirs: Sequence = ()) -> Callable:
     """Import ``"package.module:function"`` and return the callable; RewardError naming the spec otherwise.
 
-    The working directory is searched last (see ``_cwd_on_path``). The RewardScorer calls this only inside its
-    worker process (or in this process with ``reward.timeout_s: 0``)."""
+    The working directory is searched last (see ``_cwd_on_path``), unless it lies inside one of `refused_dirs`;
+    nothing inside those is imported (``_refuse_code_from``). The RewardScorer calls this only inside its worker
+    process (or in this process with ``reward.timeout_s: 0``)."""
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise RewardError(f"reward function {spec!r}: expected the form 'package.module:function'")
     mod_name, attr = (s.strip() for s in spec.split(":"))
     if not mod_name or not attr:
         raise RewardError(f"reward function {spec!r}: expected the form 'package.module:function'")
     _cwd_on_path()
+    _refuse_code_from(mod_name, spec, refused_dirs)
     try:
         module = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
@@ -338,6 +373,8 @@ def _call_user_fn(fn: Callable, plan: CallPlan, kwargs: dict) -> tuple[str, Any]
         out = fn(**plan.select(kwargs))
     except (Exception, SystemExit) as e:
         return "error", f"raised {type(e).__name__}: {e}{_where(e)}"
+    if isinstance(out, (dict, str, bytes, set, frozenset)) or hasattr(out, "keys"):
+        return "error", f"returned a {type(out).__name__}, expected a list of floats (one per completion)"
     try:
         out = list(out)
     except Exception:
@@ -358,19 +395,19 @@ def _call_user_fn(fn: Callable, plan: CallPlan, kwargs: dict) -> tuple[str, Any]
     return "ok", vals
 
 
-def _load_all(specs: list, available: list) -> tuple[dict, dict]:
+def _load_all(specs: list, available: list, refused_dirs: Sequence = ()) -> tuple[dict, dict]:
     """({spec: (fn, CallPlan)}, {spec: error message}): every function imported and its signature checked."""
     fns, errors = {}, {}
     for spec in specs:
         try:
-            fn = load_reward_function(spec)
+            fn = load_reward_function(spec, refused_dirs)
             fns[spec] = (fn, check_signature(spec, fn, available))
         except RewardError as e:
             errors[spec] = str(e)
     return fns, errors
 
 
-def _worker_main(conn, specs: list, available: list) -> None:
+def _worker_main(conn, specs: list, available: list, refused_dirs: Sequence = ()) -> None:
     """Reward worker loop (runs in a spawned process): import the functions and check their signatures, then serve
     calls until EOF/None. The only place user reward code is imported and run (unless reward.timeout_s is 0)."""
     try:
@@ -380,7 +417,7 @@ def _worker_main(conn, specs: list, available: list) -> None:
     fns, errors = {}, {}
     for spec in specs:
         conn.send(("loading", spec))  # so that a crash during the import names the module
-        f, err = _load_all([spec], available)
+        f, err = _load_all([spec], available, refused_dirs)
         fns.update(f)
         errors.update(err)
     conn.send(("ready", errors))
@@ -405,10 +442,11 @@ def _worker_main(conn, specs: list, available: list) -> None:
 class _Worker:
     """One spawned process that runs user reward functions; killed and replaced after a hang or a crash."""
 
-    def __init__(self, specs: list, available: list):
+    def __init__(self, specs: list, available: list, refused_dirs: Sequence = ()):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, list(specs), list(available)), daemon=True,
+        self.proc = ctx.Process(target=_worker_main, args=(child, list(specs), list(available),
+                                                           [str(d) for d in refused_dirs]), daemon=True,
                                 name="basis-lite-reward-worker")
         self.proc.start()
         child.close()
@@ -520,8 +558,9 @@ class RewardScorer:
     or a parameter that would get no value raises RewardError here, before training. Use as a context manager
     (or call close()) to stop the worker."""
 
-    def __init__(self, cfg, columns: Sequence[str] = ()):
+    def __init__(self, cfg, columns: Sequence[str] = (), refused_dirs: Sequence = ()):
         self.cfg = cfg
+        self.refused_dirs = [str(d) for d in refused_dirs]  # nothing is imported from inside these (a resumed run)
         self.specs: list[str] = list(cfg.functions or [])
         weights = list(cfg.function_weights or [])
         if weights and len(weights) != len(self.specs):
@@ -546,9 +585,9 @@ class RewardScorer:
         if not unique:
             return
         if self.timeout_s <= 0:  # asked for: user code in this process, no isolation
-            self._fns, errors = _load_all(unique, self.available)
+            self._fns, errors = _load_all(unique, self.available, self.refused_dirs)
         else:
-            self._worker = _Worker(unique, self.available)
+            self._worker = _Worker(unique, self.available, self.refused_dirs)
             err = self._worker.wait_ready()
             if err:
                 self.close()
@@ -572,7 +611,7 @@ class RewardScorer:
         if self.timeout_s <= 0:
             return _call_user_fn(*self._fns[spec], kwargs)
         if self._worker is None:
-            self._worker = _Worker(list(dict.fromkeys(self.specs)), self.available)
+            self._worker = _Worker(list(dict.fromkeys(self.specs)), self.available, self.refused_dirs)
         status, payload = self._worker.call(spec, kwargs, self.timeout_s)
         if status == "dead":
             self._worker.close(graceful=False)
