@@ -253,9 +253,9 @@ def _cwd_on_path() -> None:
 
 
 def _refuse_code_from(mod_name: str, spec: str, refused_dirs: Sequence) -> None:
-    """Keep code inside `refused_dirs` (a resumed run's folder) from being imported: their entries leave sys.path
-    (the working directory too, when it lies inside one), and a module found inside one anyway is a RewardError,
-    raised before anything of it runs."""
+    """Keep code inside `refused_dirs` (a resumed run's folder) from being imported: a module that would be found
+    inside one is a RewardError, raised before anything of it runs, and their entries leave sys.path (the working
+    directory too, when it lies inside one), so that nothing a module imports comes from there either."""
     from pathlib import Path
 
     bases = [Path(d).resolve() for d in refused_dirs]
@@ -269,11 +269,11 @@ def _refuse_code_from(mod_name: str, spec: str, refused_dirs: Sequence) -> None:
             return False
         return any(r == b or b in r.parents for b in bases)
 
-    sys.path[:] = [p for p in sys.path if not refused(p)]
     try:
-        found = importlib.util.find_spec(mod_name.split(".")[0])
+        found = importlib.util.find_spec(mod_name.split(".")[0])  # finds, runs nothing
     except (ImportError, ValueError):
-        return
+        found = None
+    sys.path[:] = [p for p in sys.path if not refused(p)]
     where = [found.origin] if found and found.origin else []
     where += list(found.submodule_search_locations or []) if found else []
     bad = [w for w in where if refused(w)]
