@@ -221,7 +221,10 @@ class Range:
     hi_open: bool = False
 
     def contains(self, v: float) -> bool:
-        if not math.isfinite(v):
+        try:
+            if not math.isfinite(v):
+                return False
+        except OverflowError:  # an int too large for a float
             return False
         if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
             return False
@@ -248,50 +251,53 @@ NONNEG = Range(0)  # >= 0
 AT_LEAST_1 = Range(1)
 UNIT_OPEN = Range(0, 1, lo_open=True, hi_open=True)  # (0, 1)
 
-# every int and float key and its accepted values, checked at load (tests/test_config.py checks none is missing)
+MAX_SEQUENCES = 65536  # sequences in one step (train.batch_size x estimator.rollouts_per_prompt), and batch sizes
+# every int and float key and its accepted values, checked at load (tests/test_config.py checks none is missing);
+# integer keys have an upper bound far beyond any run that fits one machine, so that a typo (an extra digit, a
+# pasted number) is refused at load instead of running for ever
 RANGES: dict[str, Range] = {
-    "model.max_seq_length": AT_LEAST_1,
+    "model.max_seq_length": Range(1, 1 << 20),
     "model.gpu_memory_utilization": UNIT_OPEN,
-    "lora.r": AT_LEAST_1,
+    "lora.r": Range(1, 4096),
     "lora.alpha": POS,
     "lora.dropout": Range(0, 1, hi_open=True),
-    "data.train_size": NONNEG,
-    "data.eval_size": NONNEG,
+    "data.train_size": Range(0, 10_000_000),
+    "data.eval_size": Range(0, 1_000_000),
     "data.max_bad_fraction": Range(0, 1),
-    "data.seed": ANY,
-    "data.max_question_chars": NONNEG,
+    "data.seed": Range(-(2**63), 2**63 - 1),
+    "data.max_question_chars": Range(0, 100_000_000),
     "generation.temperature": POS,
     "generation.top_p": Range(0, 1, lo_open=True),
-    "generation.top_k": Range(-1),
-    "generation.max_new_tokens": AT_LEAST_1,
-    "generation.batch_size": AT_LEAST_1,
+    "generation.top_k": Range(-1, 10_000_000),
+    "generation.max_new_tokens": Range(1, 1 << 20),
+    "generation.batch_size": Range(1, MAX_SEQUENCES),
     "reward.correctness_weight": ANY,
     "reward.format_weight": ANY,
-    "reward.timeout_s": NONNEG,
-    "estimator.rollouts_per_prompt": AT_LEAST_1,
-    "estimator.prior_samples": NONNEG,
-    "train.steps": AT_LEAST_1,
-    "train.batch_size": AT_LEAST_1,
-    "train.micro_batch_size": AT_LEAST_1,
+    "reward.timeout_s": Range(0, 86_400),
+    "estimator.rollouts_per_prompt": Range(1, 1024),
+    "estimator.prior_samples": Range(0, 1024),
+    "train.steps": Range(1, 10_000_000),
+    "train.batch_size": Range(1, MAX_SEQUENCES),
+    "train.micro_batch_size": Range(1, MAX_SEQUENCES),
     "train.lr": POS,
     "train.weight_decay": NONNEG,
-    "train.warmup_steps": NONNEG,
+    "train.warmup_steps": Range(0, 10_000_000),
     "train.max_grad_norm": POS,
     "train.clip_low": Range(0, 1, hi_open=True),
     "train.clip_high": NONNEG,
     "train.bpo_cap": POS,
     "train.bpo_eps": POS,
     "train.kl_coef": NONNEG,
-    "train.logprob_chunk_size": AT_LEAST_1,
-    "train.eval_every": NONNEG,
-    "train.eval_batch_size": AT_LEAST_1,
-    "train.eval_max_new_tokens": AT_LEAST_1,
-    "train.save_every": AT_LEAST_1,
-    "train.keep_last": AT_LEAST_1,
-    "train.max_bad_steps": AT_LEAST_1,
+    "train.logprob_chunk_size": Range(1, 1 << 24),
+    "train.eval_every": Range(0, 10_000_000),
+    "train.eval_batch_size": Range(1, MAX_SEQUENCES),
+    "train.eval_max_new_tokens": Range(1, 1 << 20),
+    "train.save_every": Range(1, 10_000_000),
+    "train.keep_last": Range(1, 10_000),
+    "train.max_bad_steps": Range(1, 10_000_000),
     "train.seed": Range(0, 2**32 - 1),  # numpy's seed range
-    "train.threads": NONNEG,
-    "train.ppo_epochs": AT_LEAST_1,
+    "train.threads": Range(0, 4096),
+    "train.ppo_epochs": Range(1, 100),
     "train.mismatch_cap": Range(1),
     "eapo.entropy_threshold": NONNEG,
     "eapo.injection_rate": Range(0, 1),
@@ -567,6 +573,8 @@ def _nest(key: str, value: Any) -> dict:
 def preset_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") and p.exists():
+        if not p.is_file():
+            raise ConfigError(f"preset {name_or_path!r} is not a file; give a .yaml file or a preset name")
         return p
     cand = PRESET_DIR / f"{name_or_path}.yaml"
     if cand.exists():
@@ -593,10 +601,7 @@ def load_config(preset: str | None = None, overrides: list[str] | None = None, d
     if data is None:
         name = preset or DEFAULT_PRESET
         path = preset_path(name)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"preset {path}: not valid YAML ({e})") from None
+        data = read_yaml(path, "preset") or {}
         cfg.preset = name
     _merge(cfg, data)
     for item in overrides or []:
@@ -658,6 +663,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("estimator.options: bandwidth/shrink 'cv' cannot be combined with a prior "
                           "(estimator.prior_samples > 0 or estimator.history) under the default combine: "
                           "toward_prior; add combine: residual, or use fixed numbers")
+    if t.batch_size * e.rollouts_per_prompt > MAX_SEQUENCES:
+        raise ConfigError(f"train.batch_size x estimator.rollouts_per_prompt: {t.batch_size} x {e.rollouts_per_prompt} "
+                          f"= {t.batch_size * e.rollouts_per_prompt} sequences per step; at most {MAX_SEQUENCES} are "
+                          f"accepted")
     if g.max_new_tokens > cfg.model.max_seq_length - MIN_PROMPT_TOKENS:
         raise ConfigError(f"generation.max_new_tokens: {g.max_new_tokens} leaves fewer than {MIN_PROMPT_TOKENS} "
                           f"prompt tokens of model.max_seq_length={cfg.model.max_seq_length} (prompt + completion); "
@@ -775,13 +784,38 @@ def describe_config(cfg: Config, width: int = 116) -> str:
     return "\n".join(lines) + "\n"
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_yaml(path: Path, what: str = "") -> Any:
+    """The YAML in a config or preset file; ConfigError naming the file when it cannot be read, is larger than
+    MAX_CONFIG_BYTES, is not UTF-8 text (a binary file), is not YAML or is nested past the parser's limit."""
+    name = f"{what} {path}".strip()
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{name}: larger than {MAX_CONFIG_BYTES >> 20} MiB; a config file is a short YAML text")
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{name}: not a text file (not UTF-8); a config file is YAML text such as the output "
+                          f"of `basis-lite config`") from None
+    if "\x00" in text:
+        raise ConfigError(f"{name}: not a text file (it holds NUL bytes); a config file is YAML text")
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{name}: not valid YAML ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{name}: nested too deeply to be a config") from None
+
+
 def load_config_file(path: str | os.PathLike) -> Config:
     """A resolved config saved by a run (RUN_DIR/config.yaml, adapter/basis_lite_config.yaml), validated."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
     return from_dict(data)

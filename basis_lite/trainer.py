@@ -44,8 +44,17 @@ from .metrics import MetricsLog
 from .models import cache_root, count_parameters, peak_memory_mb, reset_peak_memory
 from .priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
 from .rewards import RewardScorer, column_names, example_columns
-from .runtime import build_policy, seed_everything, setup_device
-from .safeio import RunLock, atomic_write_text, disk_full_error, held_by_other, is_disk_full, publish_dir
+from .runtime import DECIDED_FILE, Decided, build_policy, decide_run, read_decided, seed_everything
+from .safeio import (
+    RunLock,
+    atomic_write_text,
+    check_run_folder,
+    disk_full_error,
+    held_by_other,
+    is_disk_full,
+    publish_dir,
+    read_json,
+)
 from .update import OPTIONAL_STEP_METRICS, make_optimizer, make_scheduler, policy_update
 
 log = logging.getLogger("basis_lite")
@@ -79,6 +88,7 @@ class RunState:
     progress: bool = True
     ranks: distributed.Ranks = dataclasses.field(default_factory=distributed.Ranks)  # data-parallel ranks (or one)
     per_prompt_rng: bool = False  # rollouts from per-prompt streams (generation.rng)
+    decided: Decided | None = None  # what the run decided at run time (kept on resume)
 
     @property
     def uses_features(self) -> bool:
@@ -176,7 +186,8 @@ def _claim_on_main(cfg: Config, run_dir, resume: bool, ranks: distributed.Ranks)
     if ranks.is_main:
         try:
             folder, created = claim_run_dir(cfg, run_dir, resume)
-            lock = RunLock(folder).acquire()
+            check_run_folder(folder)  # no link out of it: nothing below is read or written elsewhere
+            lock = _lock(folder)
             done = finished_summary(folder, cfg) if resume else None
             msg = {"dir": str(folder), "done": done is not None}
         except ConfigError as e:
@@ -191,6 +202,14 @@ def _claim_on_main(cfg: Config, run_dir, resume: bool, ranks: distributed.Ranks)
     if ranks.is_main:
         return folder, created, lock, done
     return Path(msg["dir"]), False, None, ({"run_dir": msg["dir"]} if msg["done"] else None)
+
+
+def _lock(folder: Path) -> RunLock:
+    try:
+        return RunLock(folder).acquire()
+    except OSError as e:
+        raise ConfigError(f"run folder {folder}: cannot write there ({type(e).__name__}: {e.strerror or e}); choose "
+                          f"a folder you can write with --output") from None
 
 
 def _interrupt_message(run_dir: Path, run, e) -> str:
@@ -225,6 +244,9 @@ def claim_run_dir(cfg: Config, run_dir, resume: bool) -> tuple[Path, bool]:
         return run_dir, False
     if given:
         run_dir = Path(given)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ConfigError(f"--output {run_dir}: a file of that name exists; the output is a run folder: choose "
+                              f"a new folder name (or an empty folder)")
         if (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists():
             holder = held_by_other(run_dir)
             if holder:
@@ -233,16 +255,23 @@ def claim_run_dir(cfg: Config, run_dir, resume: bool) -> tuple[Path, bool]:
             raise ConfigError(f"output folder {run_dir} already holds a run; pass --resume {run_dir} to continue "
                               f"it or choose another --output")
         created = not run_dir.exists()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--output {run_dir}: cannot create the run folder ({type(e).__name__}: "
+                              f"{e.strerror or e}); choose a folder you can write") from None
         return run_dir, created
     base = default_run_dir(cfg)
-    base.parent.mkdir(parents=True, exist_ok=True)
     for i in range(1, 1000):
         cand = base if i == 1 else base.with_name(f"{base.name}-{i}")
         try:
+            base.parent.mkdir(parents=True, exist_ok=True)
             cand.mkdir()
         except FileExistsError:
             continue
+        except OSError as e:
+            raise ConfigError(f"cannot create the run folder {cand} ({type(e).__name__}: {e.strerror or e}); "
+                              f"pass --output with a folder you can write") from None
         return cand, True
     raise ConfigError(f"could not find a free run folder name next to {base}; pass --output")
 
@@ -254,8 +283,10 @@ def finished_summary(run_dir: Path, cfg: Config) -> dict | None:
     if not (path.is_file() and (run_dir / "adapter" / "adapter_config.json").is_file()):
         return None
     try:
-        summary = json.loads(path.read_text())
+        summary = read_json(path, "summary.json")
     except ValueError:
+        return None
+    if not isinstance(summary, dict):
         return None
     return summary if summary.get("steps") == cfg.train.steps and summary.get("eval_after") else None
 
@@ -275,23 +306,21 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
     """
     ranks = ranks or distributed.Ranks()
     ranks.watch(run_dir)
-    device, dtype = setup_device(cfg)
-    device = ranks.device(device)
+    decided = decide_run(cfg, ranks.active, stored_decisions(run_dir) if resume else None)
+    device, dtype = ranks.device(torch.device(decided.device)), decided.torch_dtype
     train_ex, eval_ex = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
-    last = ckpt.latest_checkpoint(run_dir) if resume else None
-    if resume and last is None:
-        log.info("%s has no intact checkpoint: starting it again from step 0 with its saved config", run_dir)
     seed_everything(cfg.train.seed)
     with ranks.main_first():  # a built-in model is converted into the cache once
-        model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(last / "adapter") if last else None,
-                                          training=True)
+        # a fresh adapter; a resume loads the checkpoint's weights into it once they are checked (`resume_from`)
+        model, tok, engine = build_policy(cfg, device, dtype, training=True, backend=decided.backend)
     ranks.broadcast_params([p for p in model.parameters() if p.requires_grad])
     n_train, n_total = count_parameters(model)
     log.info("model %s on %s (%s): %.2fM trainable of %.1fM parameters", cfg.model.name, device, dtype,
              n_train / 1e6, n_total / 1e6)
     # starts the reward worker process and waits until it imported the user functions and checked their signatures
     # (RewardError before anything is written); closed by train() whatever happens
-    scorer = RewardScorer(cfg.reward, column_names(train_ex, cfg.data))
+    # a resume never imports a reward module from inside the run folder (a folder handed over is data, not code)
+    scorer = RewardScorer(cfg.reward, column_names(train_ex, cfg.data), refused_dirs=[run_dir] if resume else [])
     run = None
     try:
         optimizer = make_optimizer(cfg, model, device)
@@ -301,6 +330,8 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
             device.type == "cuda" and dtype == torch.float16) else None
         if ranks.is_main and not resume:
             save_config(cfg, run_dir / "config.yaml")
+        if ranks.is_main and not (run_dir / DECIDED_FILE).is_file():
+            atomic_write_text(run_dir / DECIDED_FILE, json.dumps(decided.as_dict(), indent=1) + "\n")
         run = RunState(
             cfg=cfg, run_dir=run_dir, device=device, model=model, tok=tok, engine=engine, scorer=scorer,
             optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer), scaler=scaler,
@@ -311,14 +342,15 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
             estimator=get_estimator(cfg.estimator.name),
             prompt_of={ex.id: format_prompt(tok, ex.prompt, cfg.data) for ex in train_ex},
             eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress, ranks=ranks,
-            per_prompt_rng=distributed.per_prompt_rng(cfg, ranks))
+            per_prompt_rng=decided.rng == "per_prompt", decided=decided)
         if run.estimator.replay_capacity is not None:
             run.replay = ReplayBuffer(run.estimator.replay_capacity(cfg.estimator.options))
         if run.estimator.uses_prior and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
-        if last is not None:
-            restore(run, last)
-        else:
+        last = resume_from(run, train_ex) if resume else None
+        if last is None:
+            if resume:
+                log.info("%s has no usable checkpoint: starting it again from step 0 with its saved config", run_dir)
             run.metrics.start()
             run.summary["eval_before"] = run_eval(run, "eval (before)")
             run.metrics.eval(0, run.summary["eval_before"])
@@ -350,16 +382,104 @@ def load_prior(run: RunState, train_ex) -> None:
     run.summary["prior_cached"] = run.prior_table["cached"]
 
 
-def restore(run: RunState, last: Path) -> None:
+def stored_decisions(run_dir: Path) -> dict | None:
+    """What the run decided when it started (`runtime.Decided`): RUN_DIR/decided.json, else the newest intact
+    checkpoint's copy; None for a run that stored none (it decides again)."""
+    try:
+        found = read_decided(read_json(run_dir / DECIDED_FILE, DECIDED_FILE))
+    except ValueError:
+        found = None
+    if found is None:
+        last = ckpt.latest_checkpoint(run_dir, quiet=True)
+        if last is not None:
+            try:
+                found = read_decided(read_json(last / ckpt.STATE_JSON).get("decided"))
+            except (ValueError, AttributeError):
+                found = None
+    return found
+
+
+def resume_from(run: RunState, train_ex) -> Path | None:
+    """Restore the newest checkpoint whose content is usable (`check_checkpoint`); each newer intact one that is
+    not is logged with the reason and skipped, as a damaged one is. None when none is usable (the run starts again
+    from step 0: the adapter as initialised, a fresh optimizer)."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    name = run.model.active_adapter
+    expected = get_peft_model_state_dict(run.model, adapter_name=name)
+    initial = {k: v.detach().clone() for k, v in expected.items()}
+    for last in ckpt.intact_checkpoints(run.run_dir):
+        try:
+            tensors, state = check_checkpoint(run, last, expected, train_ex)
+            set_peft_model_state_dict(run.model, tensors, adapter_name=name)
+            restore(run, state)
+        except ckpt.Unusable as e:
+            log.warning("skipping checkpoint %s: %s", last, e)
+            _fresh_state(run, train_ex, initial, name)
+            continue
+        log.info("resumed from %s at step %d", last, run.step)
+        return last
+    return None
+
+
+def _fresh_state(run: RunState, train_ex, initial: dict, adapter_name: str) -> None:
+    """Undo a partly applied checkpoint: the initial adapter weights, a fresh optimizer, schedule, data position,
+    history and replay buffer."""
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(run.model, initial, adapter_name=adapter_name)
+    run.optimizer = make_optimizer(run.cfg, run.model, run.device)
+    run.scheduler = make_scheduler(run.cfg, run.optimizer)
+    run.sampler = PromptSampler(train_ex, run.cfg.train.batch_size, seed=run.cfg.train.seed)
+    run.history, run.step, run.bad_steps = {}, 0, 0
+    if run.replay is not None:
+        run.replay = ReplayBuffer(run.estimator.replay_capacity(run.cfg.estimator.options))
+
+
+def check_checkpoint(run: RunState, last: Path, expected: dict, train_ex) -> tuple[dict, dict]:
+    """(adapter tensors, trainer state) of an intact checkpoint once its content is checked; Unusable naming the
+    first problem: adapter tensors missing, extra, misshapen or not finite; a state that does not parse or is
+    nested too deep; a step that is not the folder's or lies outside [1, train.steps]; RNG states that cannot be
+    set; optimizer moments that do not fit the parameters. A checkpoint of other data is a DataError (every
+    checkpoint of the run has it)."""
+    tensors = ckpt.load_adapter_tensors(last / "adapter")
+    ckpt.check_adapter_tensors(tensors, expected)
     state = ckpt.load_state(last)
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    run.sampler.load_state_dict(state["sampler"])
-    run.history = state.get("history", {})
-    if run.replay is not None and state.get("replay") is not None:
-        run.replay.load_state_dict(state["replay"])
-    if run.scaler is not None and state.get("scaler"):
-        run.scaler.load_state_dict(state["scaler"])
+    if not isinstance(state, dict):
+        raise ckpt.Unusable("the trainer state is not a mapping")
+    step = ckpt.check_int(state.get("step"), "step", 1, run.cfg.train.steps)
+    if step != ckpt.step_of(last):
+        raise ckpt.Unusable(f"its state says step {step}, its folder name step {ckpt.step_of(last)}")
+    ckpt.check_int(state.get("bad_steps", 0), "bad_steps", 0, run.cfg.train.max_bad_steps)
+    ckpt.check_rng_state(state.get("rng"))
+    ckpt.check_optimizer_state(state.get("optimizer"), [p for p in run.model.parameters() if p.requires_grad])
+    sampler = state.get("sampler")
+    if not isinstance(sampler, dict):
+        raise ckpt.Unusable("no data position (sampler state)")
+    for key in ("epoch", "position"):
+        ckpt.check_int(sampler.get(key), f"sampler {key}", 0, 2**62)
+    run.sampler.check_state(sampler, run.cfg.data.dataset)  # DataError: the data changed since the checkpoint
+    history = state.get("history", {})
+    if not isinstance(history, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and x >= 0 for x in v)
+            for v in history.values()):
+        raise ckpt.Unusable("the per-prompt history is not {prompt id: [successes, rollouts]}")
+    return tensors, state
+
+
+def restore(run: RunState, state: dict) -> None:
+    """Apply a checked trainer state; Unusable when a part of it does not load."""
+    try:
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.sampler.load_state_dict(state["sampler"])
+        run.history = state.get("history", {})
+        if run.replay is not None and state.get("replay") is not None:
+            run.replay.load_state_dict(state["replay"])
+        if run.scaler is not None and state.get("scaler"):
+            run.scaler.load_state_dict(state["scaler"])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+        raise ckpt.Unusable(f"the trainer state does not load ({type(e).__name__}: {str(e)[:200]})") from None
     run.step, run.bad_steps = state["step"], state.get("bad_steps", 0)
     was = state.get("rng_mode", "global")
     if was != ("per_prompt" if run.per_prompt_rng else "global"):
@@ -372,7 +492,6 @@ def restore(run: RunState, last: Path) -> None:
     run.summary["eval_before"] = state.get("eval_before")
     ckpt.set_rng_state(state["rng"])
     run.metrics.resume(run.step)
-    log.info("resumed from %s at step %d", last, run.step)
 
 
 def checkpoint_state(run: RunState) -> dict:
@@ -382,7 +501,8 @@ def checkpoint_state(run: RunState) -> dict:
             "scaler": run.scaler.state_dict() if run.scaler is not None else None,
             "prior_key": run.prior_table["key"] if run.prior_table else None,
             "ranks": run.ranks.world, "rng_mode": "per_prompt" if run.per_prompt_rng else "global",
-            "replay": run.replay.state_dict() if run.replay is not None else None}
+            "replay": run.replay.state_dict() if run.replay is not None else None,
+            "decided": run.decided.as_dict() if run.decided is not None else None}
 
 
 def _config_text(run: RunState) -> str:
