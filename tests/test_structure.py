@@ -17,10 +17,10 @@ LAYERS = [
     # numerics: losses, estimators' functions, data, rewards
     {"losses", "estimators.base", "estimators.simple", "estimators.basis_blocks", "estimators.basis",
      "estimators.probe", "estimators.poise", "data", "data.example", "data.loading", "data.prompts", "data.sampler",
-     "rewards", "reward_worker", "eapo", "metrics", "plot"},
-    # model loading, engines, distributed, updates, checkpoints, export
+     "rewards", "reward_worker", "metrics", "plot"},
+    # model loading, engines, distributed, updates, checkpoints, export; EAPO (loads and checks a peft adapter)
     {"models", "unsloth_backend", "engines", "engines.base", "engines.hf", "engines.seeded", "engines.trajectory",
-     "engines.vllm", "distributed", "update", "checkpoint", "plan", "export_check"},
+     "engines.vllm", "distributed", "update", "checkpoint", "plan", "export_check", "eapo"},
     # assembly
     {"runtime", "evaluate", "priors", "runs", "trainer", "export", "gguf_export"},
     {"cli", "__main__", "__init__"},
