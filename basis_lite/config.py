@@ -79,6 +79,7 @@ class DataConfig:
     dataset: str = "arithmetic"
     levels: list = field(default_factory=lambda: [1, 2])  # built-in tasks: difficulty levels to draw from
     train_size: int = 2000  # built-in tasks: number of training problems (hub/local: cap, 0 = all)
+    revisit: bool = True  # built-in tasks: a level that runs out of questions repeats its own, keeping its share
     eval_size: int = 200  # held-out problems for eval
     question_field: str = "question"
     answer_field: str = "answer"
@@ -322,6 +323,8 @@ HELP: dict[str, str] = {
                     ".jsonl/.json/.csv/.parquet file",
     "data.levels": "built-in tasks: the difficulty levels to draw from",
     "data.train_size": "training problems: a count for built-in tasks; a cap for hub datasets and files (0 = all)",
+    "data.revisit": "built-in tasks: a level that runs out of distinct questions before its share of the training "
+                    "split is full revisits the ones it drew (true) or leaves its share to the other levels (false)",
     "data.eval_size": "held-out problems for eval (0 = no eval)",
     "data.question_field": "hf: datasets and files: the field holding the question",
     "data.answer_field": "hf: datasets and files: the field holding the answer (text after ####, or the last "

@@ -496,7 +496,8 @@ def step_record(run: RunState, step, data: distributed.StepData, adv, base, stat
         "step": step, "reward_mean": r_flat.mean().item(), "accuracy": sum(data.correct) / len(data.correct),
         "format_rate": sum(data.format) / len(data.format), "baseline_mean": base.mean().item(),
         "advantage_std": adv.std().item() if adv.numel() > 1 else 0.0,
-        "explained_variance": explained_variance(rewards, base), "kl": stats["kl"], "entropy": stats["entropy"],
+        "explained_variance": explained_variance(rewards, base),
+        "explained_variance_loo_ref": loo_reference_ev(r_flat.numel()), "kl": stats["kl"], "entropy": stats["entropy"],
         "completion_len": comp_tokens / len(data.completion_lens), "loss": stats["loss"],
         "grad_norm": stats["grad_norm"], "clip_fraction": stats["clip_fraction"],
         "lr": run.optimizer.param_groups[0]["lr"], "generation_s": gen_s, "training_s": train_s,
@@ -511,10 +512,22 @@ def step_record(run: RunState, step, data: distributed.StepData, adv, base, stat
     }
 
 
+def loo_reference_ev(n: int) -> float:
+    """The explained variance of the plain leave-one-out mean over n rollouts, 1 - (n / (n - 1))^2, whatever the
+    rewards (b_i = (S - r_i) / (n - 1) leaves r_i scaled by n / (n - 1)); nan for n < 2. A baseline that earns
+    something scores above it."""
+    return 1.0 - (n / (n - 1)) ** 2 if n >= 2 else float("nan")
+
+
+def _loo_ref(rec: dict) -> str:
+    ref = rec.get("explained_variance_loo_ref")
+    return f" (LOO {ref:+.2f})" if ref is not None and math.isfinite(ref) else ""
+
+
 def step_line(rec: dict) -> str:
     """The one-line report of a step; a step that left the adapter unchanged says so and why."""
     line = (f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
-            f"baseline {rec['baseline_mean']:.3f} | EV {rec['explained_variance']:+.2f} | "
+            f"baseline {rec['baseline_mean']:.3f} | EV {rec['explained_variance']:+.2f}{_loo_ref(rec)} | "
             f"len {rec['completion_len']:.0f} | gen {rec['generation_s']:.1f}s train {rec['training_s']:.1f}s")
     if rec.get("zero_update"):
         if rec.get("skipped"):

@@ -17,7 +17,8 @@ def cfg(**kw) -> DataConfig:
 @pytest.mark.parametrize("task, levels", [("arithmetic", [1, 2, 3, 4, 5, 6, 7, 8]), ("algebra", [1, 2, 3, 4, 5, 6]),
                                          ("wordproblems", [1, 2, 3, 4, 5, 6])])
 def test_builtin_deterministic_disjoint_and_sized(task, levels):
-    c = cfg(dataset=task, levels=levels, train_size=500, eval_size=100, seed=7)
+    # data.revisit off: every question once, even where a level runs out (arithmetic's levels 1 and 2 here)
+    c = cfg(dataset=task, levels=levels, train_size=500, eval_size=100, seed=7, revisit=False)
     tr, ev = load_examples(c, "train"), load_examples(c, "eval")
     assert len(tr) == 500 and len(ev) == 100
     assert [e.question for e in tr] == [e.question for e in load_examples(c, "train")]  # deterministic
@@ -27,7 +28,8 @@ def test_builtin_deterministic_disjoint_and_sized(task, levels):
     assert not qt & qe  # disjoint splits
     assert {e.meta["level"] for e in tr} == set(levels)  # every level contributes
     assert all(set(e.meta) >= {"level", "family"} for e in tr)
-    other = load_examples(cfg(dataset=task, levels=levels, train_size=500, eval_size=100, seed=8), "train")
+    other = load_examples(cfg(dataset=task, levels=levels, train_size=500, eval_size=100, seed=8, revisit=False),
+                          "train")
     assert [e.question for e in other] != [e.question for e in tr]
 
 
@@ -70,6 +72,42 @@ def test_wordproblem_answers_follow_the_story():
             assert nums[0] % nums[1] == 0, e  # equal shares are whole
         assert e.question.endswith("?") and " 1 " not in e.question  # plural nouns: no quantity of one
     assert seen == set(rules)
+
+
+def test_revisit_keeps_each_level_share_of_the_training_draw(caplog):
+    """Levels [1, 3, 5] (the default preset): level 1 holds 100 questions, 50 go to the eval split, so its third of
+    2000 training problems revisits the other 50; the eval split never repeats and never meets the training one."""
+    from collections import Counter
+
+    c = cfg(dataset="arithmetic", levels=[1, 3, 5], train_size=2000, eval_size=150)
+    with caplog.at_level(logging.INFO, logger="basis_lite.data"):
+        tr, ev = load_examples(c, "train"), load_examples(c, "eval")
+    assert Counter(e.meta["level"] for e in tr) == {1: 667, 3: 667, 5: 666}
+    assert Counter(e.meta["level"] for e in ev) == {1: 50, 3: 50, 5: 50}
+    assert len({e.question for e in ev}) == 150 and not {e.question for e in tr} & {e.question for e in ev}
+    lv1 = [e for e in tr if e.meta["level"] == 1]
+    assert len({e.question for e in lv1}) == 50  # every level-1 question the eval split left, each about 13 times
+    assert [e.id for e in lv1[50:100]] == [e.id for e in lv1[:50]]  # revisited in the order first drawn
+    for lv in (3, 5):
+        qs = [e.question for e in tr if e.meta["level"] == lv]
+        assert len(qs) == len(set(qs))  # levels with questions to spare never repeat
+    assert "level 1: only 50 distinct train questions" in caplog.text and "revisited" in caplog.text
+    assert [e.id for e in tr] == [e.id for e in load_examples(c, "train")]  # seeded
+
+
+def test_revisit_off_gives_the_old_crowded_out_draw_and_changes_nothing_where_nothing_runs_out():
+    from collections import Counter
+
+    old = cfg(dataset="arithmetic", levels=[1, 2, 3], train_size=2000, eval_size=150, revisit=False)
+    assert Counter(e.meta["level"] for e in load_examples(old, "train")) == {1: 18, 2: 37, 3: 1945}
+    new = cfg(dataset="arithmetic", levels=[1, 2, 3], train_size=2000, eval_size=150)
+    assert Counter(e.meta["level"] for e in load_examples(new, "train")) == {1: 667, 2: 667, 3: 666}
+    # the smoke preset's data (nothing runs out): the same draw either way
+    for levels, n_train, n_eval in (([1, 2], 64, 8), ([3, 4], 500, 50)):
+        a = load_examples(cfg(dataset="arithmetic", levels=levels, train_size=n_train, eval_size=n_eval), "train")
+        b = load_examples(cfg(dataset="arithmetic", levels=levels, train_size=n_train, eval_size=n_eval,
+                              revisit=False), "train")
+        assert [e.id for e in a] == [e.id for e in b]
 
 
 def test_eval_split_does_not_depend_on_train_size():
