@@ -73,6 +73,7 @@ class RunState:
     prior_table: dict | None = None
     history: dict = dataclasses.field(default_factory=dict)  # example id -> [successes, rollouts] of earlier steps
     replay: ReplayBuffer | None = None  # earlier steps' rollouts, for estimators that keep a buffer
+    est_state: object = None  # the estimator's own state across steps (EstimatorSpec.state), e.g. basis mix
     step: int = 0  # last completed step
     bad_steps: int = 0  # non-finite steps in a row
     summary: dict = dataclasses.field(default_factory=dict)
@@ -311,8 +312,10 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
             prompt_of={ex.id: format_prompt(tok, ex.question, cfg.data) for ex in train_ex},
             eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress, ranks=ranks,
             per_prompt_rng=distributed.per_prompt_rng(cfg, ranks))
-        if run.estimator.replay_capacity is not None:
-            run.replay = ReplayBuffer(run.estimator.replay_capacity(cfg.estimator.options))
+        capacity = run.estimator.replay_capacity(cfg.estimator.options) if run.estimator.replay_capacity else None
+        if capacity:
+            run.replay = ReplayBuffer(capacity)
+        run.est_state = run.estimator.make_state(cfg.estimator.options)
         if run.estimator.uses_prior and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
         if last is not None:
@@ -357,6 +360,8 @@ def restore(run: RunState, last: Path) -> None:
     run.history = state.get("history", {})
     if run.replay is not None and state.get("replay") is not None:
         run.replay.load_state_dict(state["replay"])
+    if run.est_state is not None and state.get("estimator_state") is not None:
+        run.est_state.load_state_dict(state["estimator_state"])
     if run.scaler is not None and state.get("scaler"):
         run.scaler.load_state_dict(state["scaler"])
     run.step, run.bad_steps = state["step"], state.get("bad_steps", 0)
@@ -381,7 +386,8 @@ def checkpoint_state(run: RunState) -> dict:
             "scaler": run.scaler.state_dict() if run.scaler is not None else None,
             "prior_key": run.prior_table["key"] if run.prior_table else None,
             "ranks": run.ranks.world, "rng_mode": "per_prompt" if run.per_prompt_rng else "global",
-            "replay": run.replay.state_dict() if run.replay is not None else None}
+            "replay": run.replay.state_dict() if run.replay is not None else None,
+            "estimator_state": run.est_state.state_dict() if run.est_state is not None else None}
 
 
 def _config_text(run: RunState) -> str:
@@ -439,8 +445,10 @@ def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor, step: int =
         trajectory = distributed.local_trajectory(rollouts, len(batch), G, run.uses_trajectory)
     ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=features, history=run.history,
                            trajectory_features=trajectory, replay=run.replay, options=est.options,
-                           normalize=est.normalize)
+                           normalize=est.normalize, state=run.est_state)
     adv, base = run.estimator.compute(rewards, ctx)
+    if run.est_state is not None:  # after the baselines, like the history and the replay buffer
+        run.est_state.observe(step, ids, rewards)
     if run.uses_history:  # after the baselines: a prompt's history never holds its current reward
         for ex, row in zip(batch, rewards):
             h = run.history.setdefault(ex.id, [0, 0])
@@ -509,6 +517,7 @@ def step_record(run: RunState, step, data: distributed.StepData, adv, base, stat
         **{k: stats[k] for k in OPTIONAL_STEP_METRICS if k in stats},
         **({"trajectory_feature_s": getattr(run.engine, "trajectory_seconds", 0.0)} if run.uses_trajectory else {}),
         **({"replay_rows": run.replay.rows} if run.replay is not None else {}),
+        **(run.est_state.metrics() if hasattr(run.est_state, "metrics") else {}),
     }
 
 
