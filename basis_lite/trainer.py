@@ -37,6 +37,7 @@ from .engines.seeded import stream_seed
 from .errors import ConfigError, Interrupted, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
 from .estimators.base import explained_variance
+from .estimators.basis_mix import ValueTracker, selection_probability
 from .estimators.probe import ReplayBuffer
 from .evaluate import evaluate
 from .faults import maybe_kill
@@ -74,6 +75,7 @@ class RunState:
     history: dict = dataclasses.field(default_factory=dict)  # example id -> [successes, rollouts] of earlier steps
     replay: ReplayBuffer | None = None  # earlier steps' rollouts, for estimators that keep a buffer
     est_state: object = None  # the estimator's own state across steps (EstimatorSpec.state), e.g. basis mix
+    value_tracker: ValueTracker | None = None  # data.value_sampling: per-prompt tracked values for the sampler
     step: int = 0  # last completed step
     bad_steps: int = 0  # non-finite steps in a row
     summary: dict = dataclasses.field(default_factory=dict)
@@ -316,6 +318,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
         if capacity:
             run.replay = ReplayBuffer(capacity)
         run.est_state = run.estimator.make_state(cfg.estimator.options)
+        if cfg.data.value_sampling > 0:
+            run.value_tracker = ValueTracker(decay=0.9)
+            run.sampler.accept = selection_probability(run.value_tracker, cfg.data.value_sampling)
         if run.estimator.uses_prior and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
         if last is not None:
@@ -340,6 +345,7 @@ def load_prior(run: RunState, train_ex) -> None:
     """
     cfg = run.cfg
     rng_before = ckpt.rng_state()
+    train_ex = list({e.id: e for e in train_ex}.values())  # a revisited question is sampled once
     args = (cfg, cache_root(cfg.model.cache_dir), run.engine, run.model, train_ex,
             [run.prompt_of[e.id] for e in train_ex], run.scorer, params_from_config(cfg.generation),
             cfg.estimator.prior_samples)
@@ -362,6 +368,8 @@ def restore(run: RunState, last: Path) -> None:
         run.replay.load_state_dict(state["replay"])
     if run.est_state is not None and state.get("estimator_state") is not None:
         run.est_state.load_state_dict(state["estimator_state"])
+    if run.value_tracker is not None and state.get("value_tracker") is not None:
+        run.value_tracker.load_state_dict(state["value_tracker"])
     if run.scaler is not None and state.get("scaler"):
         run.scaler.load_state_dict(state["scaler"])
     run.step, run.bad_steps = state["step"], state.get("bad_steps", 0)
@@ -387,7 +395,8 @@ def checkpoint_state(run: RunState) -> dict:
             "prior_key": run.prior_table["key"] if run.prior_table else None,
             "ranks": run.ranks.world, "rng_mode": "per_prompt" if run.per_prompt_rng else "global",
             "replay": run.replay.state_dict() if run.replay is not None else None,
-            "estimator_state": run.est_state.state_dict() if run.est_state is not None else None}
+            "estimator_state": run.est_state.state_dict() if run.est_state is not None else None,
+            "value_tracker": run.value_tracker.state_dict() if run.value_tracker is not None else None}
 
 
 def _config_text(run: RunState) -> str:
@@ -449,6 +458,8 @@ def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor, step: int =
     adv, base = run.estimator.compute(rewards, ctx)
     if run.est_state is not None:  # after the baselines, like the history and the replay buffer
         run.est_state.observe(step, ids, rewards)
+    if run.value_tracker is not None:
+        run.value_tracker.observe(ids, rewards)
     if run.uses_history:  # after the baselines: a prompt's history never holds its current reward
         for ex, row in zip(batch, rewards):
             h = run.history.setdefault(ex.id, [0, 0])
@@ -518,6 +529,7 @@ def step_record(run: RunState, step, data: distributed.StepData, adv, base, stat
         **({"trajectory_feature_s": getattr(run.engine, "trajectory_seconds", 0.0)} if run.uses_trajectory else {}),
         **({"replay_rows": run.replay.rows} if run.replay is not None else {}),
         **(run.est_state.metrics() if hasattr(run.est_state, "metrics") else {}),
+        **({"value_sampling_skipped": run.sampler.skipped} if run.value_tracker is not None else {}),
     }
 
 

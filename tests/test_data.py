@@ -496,3 +496,48 @@ def test_prompt_sampler_state_round_trip():
         PromptSampler(_examples(8), 3, seed=5).load_state_dict(state)
     with pytest.raises(ValueError):
         PromptSampler([], 3)
+
+
+def test_value_sampling_draws_prompts_near_0_or_1_less_and_stays_resumable():
+    """data.value_sampling: a prompt the tracker has seen succeed (or fail) every time is kept less often; one never
+    seen, or seen half right, always; the coins are seeded by (seed, epoch, position), so the draw resumes."""
+    import torch
+
+    from basis_lite.estimators.basis_mix import ValueTracker, selection_probability
+
+    ex = _examples(20)
+    tracker = ValueTracker(decay=1.0)
+    for rnd in range(6):  # ids 0-4 always right, 5-9 always wrong, 10-14 half right, 15-19 never seen
+        tracker.observe([str(i) for i in range(15)],
+                        torch.tensor([[1.0]] * 5 + [[0.0]] * 5 + [[float((k + rnd) % 2)] for k in range(5)]))
+    accept = selection_probability(tracker, 1.0)
+    v = 7 / 8  # (6 + 1) / (6 + 2)
+    assert accept(ex[0]) == pytest.approx(2 * (v * (1 - v)) ** 0.5) == pytest.approx(accept(ex[7]))
+    assert accept(ex[19]) == 1.0 and accept(ex[11]) == pytest.approx(1.0, abs=0.01)
+    assert selection_probability(tracker, 0.0)(ex[0]) == 1.0
+    assert selection_probability(tracker, 0.5)(ex[0]) == pytest.approx(1 - 0.5 * (1 - accept(ex[0])))
+
+    s = PromptSampler(ex, batch_size=4, seed=3, accept=accept)
+    drawn = [e.id for _ in range(100) for e in next(s)]
+    counts = {k: drawn.count(str(k)) for k in range(20)}
+    near = sum(counts[k] for k in range(10)) / 10
+    mid = sum(counts[k] for k in range(10, 20)) / 10
+    assert near < 0.8 * mid  # accept ~0.66 vs ~1
+    assert s.skipped > 0 and s.state_dict()["skipped"] == s.skipped
+    state = json.loads(json.dumps(s.state_dict()))
+    expected = [[e.id for e in next(s)] for _ in range(5)]
+    t = PromptSampler(ex, batch_size=4, seed=3, accept=accept)
+    t.load_state_dict(state)
+    assert [[e.id for e in next(t)] for _ in range(5)] == expected and t.skipped == s.skipped
+    # everything kept: the same order as without selection
+    plain, every = PromptSampler(ex, 4, seed=3), PromptSampler(ex, 4, seed=3, accept=lambda e: 1.0)
+    assert [[e.id for e in next(plain)] for _ in range(12)] == [[e.id for e in next(every)] for _ in range(12)]
+
+
+def test_value_sampling_config_range():
+    from basis_lite.config import load_config
+    from basis_lite.errors import ConfigError
+
+    assert load_config("smoke", ["data.value_sampling=0.5"]).data.value_sampling == 0.5
+    with pytest.raises(ConfigError, match=r"data\.value_sampling"):
+        load_config("smoke", ["data.value_sampling=1.5"])

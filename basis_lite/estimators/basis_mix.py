@@ -94,6 +94,18 @@ class ValueTracker:
         self.table = {str(k): [float(v[0]), float(v[1]), int(v[2])] for k, v in state["table"].items()}
 
 
+def selection_probability(tracker: ValueTracker, strength: float):
+    """``data.value_sampling``: example -> the probability that the sampler keeps it, 1 - strength * (1 - 2 sd),
+    sd = sqrt(v (1 - v)) and v = (s + 1) / (n + 2) its tracked success rate (1/2 for a prompt never seen, kept for
+    sure), at least 0.02 (after SPO's prioritized sampling, weight proportional to sd)."""
+    def accept(example) -> float:
+        s, n = tracker.counts([example.id])
+        v = (float(s[0]) + 1.0) / (float(n[0]) + 2.0)
+        return max(0.02, 1.0 - strength * (1.0 - 2.0 * math.sqrt(v * (1.0 - v))))
+
+    return accept
+
+
 class BasisState:
     """What ``basis`` with ``mix: true`` carries between steps: the value tracker, each part's discounted squared
     error on earlier batches, the mean reward of earlier batches, and (between ``basis`` and ``observe`` of one step)
