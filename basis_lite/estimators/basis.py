@@ -140,6 +140,8 @@ def basis_baseline(rewards: Tensor, prior: Tensor | None = None, features: Tenso
     combine="toward_prior"              prior and features together: "toward_prior" | "residual" (see 3.)
     clip=True                           clamp b_i to [0, 1] (widened to the other rewards' range, see 5.)
     empty_baseline=0.0                  baseline when no other prompt is available (batch of one, no prior)
+    mix=False, mix_parts, mix_rate, mix_memory, tracker_decay, tracker_prior_count, probe_min_rows
+                                        read by ``basis`` only (basis_mix.py); ignored here
     """
     o = parse_options(options)
     r_in = rewards_1d(rewards)
