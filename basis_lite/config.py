@@ -80,6 +80,8 @@ class DataConfig:
     dataset: str = "arithmetic"
     levels: list = field(default_factory=lambda: [1, 2])  # built-in tasks: difficulty levels to draw from
     train_size: int = 2000  # built-in tasks: number of training problems (hub/local: cap, 0 = all)
+    revisit: bool = True  # built-in tasks: a level that runs out of questions repeats its own, keeping its share
+    value_sampling: float = 0.0  # prompt selection by tracked value (SPO): skip prompts near 0 or 1 (0 = off)
     eval_size: int = 200  # held-out problems for eval
     question_field: str = "question"
     answer_field: str = "answer"
@@ -263,6 +265,7 @@ RANGES: dict[str, Range] = {
     "lora.dropout": Range(0, 1, hi_open=True),
     "data.train_size": Range(0, 10_000_000),
     "data.eval_size": Range(0, 1_000_000),
+    "data.value_sampling": Range(0, 1),
     "data.max_bad_fraction": Range(0, 1),
     "data.seed": Range(-(2**63), 2**63 - 1),
     "data.max_question_chars": Range(0, 100_000_000),
@@ -333,6 +336,12 @@ HELP: dict[str, str] = {
                     ".jsonl/.json/.csv/.parquet file",
     "data.levels": "built-in tasks: the difficulty levels to draw from",
     "data.train_size": "training problems: a count for built-in tasks; a cap for hub datasets and files (0 = all)",
+    "data.value_sampling": "prompt selection by value (SPO's prioritized sampling): a training prompt is skipped "
+                           "until the next epoch with probability s * (1 - 2 sqrt(v (1 - v))), v its tracked "
+                           "success rate (earlier rewards, decayed 0.9 per step, (s + 1) / (n + 2)); prompts whose "
+                           "value sits near 0 or 1 carry little gradient. 0 = off, 1 = strongest (keeps 2%)",
+    "data.revisit": "built-in tasks: a level that runs out of distinct questions before its share of the training "
+                    "split is full revisits the ones it drew (true) or leaves its share to the other levels (false)",
     "data.eval_size": "held-out problems for eval (0 = no eval)",
     "data.question_field": "hf: datasets and files: the field holding the question",
     "data.answer_field": "hf: datasets and files: the field holding the answer (text after ####, or the last "

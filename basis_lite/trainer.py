@@ -37,6 +37,7 @@ from .engines.seeded import stream_seed
 from .errors import ConfigError, Interrupted, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
 from .estimators.base import explained_variance
+from .estimators.basis_mix import ValueTracker, selection_probability
 from .estimators.probe import ReplayBuffer
 from .evaluate import evaluate
 from .faults import maybe_kill
@@ -82,6 +83,8 @@ class RunState:
     prior_table: dict | None = None
     history: dict = dataclasses.field(default_factory=dict)  # example id -> [successes, rollouts] of earlier steps
     replay: ReplayBuffer | None = None  # earlier steps' rollouts, for estimators that keep a buffer
+    est_state: object = None  # the estimator's own state across steps (EstimatorSpec.state), e.g. basis mix
+    value_tracker: ValueTracker | None = None  # data.value_sampling: per-prompt tracked values for the sampler
     step: int = 0  # last completed step
     bad_steps: int = 0  # non-finite steps in a row
     summary: dict = dataclasses.field(default_factory=dict)
@@ -343,8 +346,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
             prompt_of={ex.id: format_prompt(tok, ex.prompt, cfg.data) for ex in train_ex},
             eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress, ranks=ranks,
             per_prompt_rng=decided.rng == "per_prompt", decided=decided)
-        if run.estimator.replay_capacity is not None:
-            run.replay = ReplayBuffer(run.estimator.replay_capacity(cfg.estimator.options))
+        _fresh_learning_state(run)
         if run.estimator.uses_prior and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
         last = resume_from(run, train_ex) if resume else None
@@ -370,6 +372,7 @@ def load_prior(run: RunState, train_ex) -> None:
     """
     cfg = run.cfg
     rng_before = ckpt.rng_state()
+    train_ex = list({e.id: e for e in train_ex}.values())  # a revisited question is sampled once
     args = (cfg, cache_root(cfg.model.cache_dir), run.engine, run.model, train_ex,
             [run.prompt_of[e.id] for e in train_ex], run.scorer, params_from_config(cfg.generation),
             cfg.estimator.prior_samples)
@@ -424,7 +427,7 @@ def resume_from(run: RunState, train_ex) -> Path | None:
 
 def _fresh_state(run: RunState, train_ex, initial: dict, adapter_name: str) -> None:
     """Undo a partly applied checkpoint: the initial adapter weights, a fresh optimizer, schedule, data position,
-    history and replay buffer."""
+    history, replay buffer, estimator state and value tracker."""
     from peft import set_peft_model_state_dict
 
     set_peft_model_state_dict(run.model, initial, adapter_name=adapter_name)
@@ -432,8 +435,20 @@ def _fresh_state(run: RunState, train_ex, initial: dict, adapter_name: str) -> N
     run.scheduler = make_scheduler(run.cfg, run.optimizer)
     run.sampler = PromptSampler(train_ex, run.cfg.train.batch_size, seed=run.cfg.train.seed)
     run.history, run.step, run.bad_steps = {}, 0, 0
-    if run.replay is not None:
-        run.replay = ReplayBuffer(run.estimator.replay_capacity(run.cfg.estimator.options))
+    _fresh_learning_state(run)
+
+
+def _fresh_learning_state(run: RunState) -> None:
+    """The state the estimator and the sampler learn across steps, as at step 0: the replay buffer, the estimator's
+    own state (BASIS mix), and the value tracker that prompt selection by value reads."""
+    cfg = run.cfg
+    capacity = run.estimator.replay_capacity(cfg.estimator.options) if run.estimator.replay_capacity else None
+    run.replay = ReplayBuffer(capacity) if capacity else None
+    run.est_state = run.estimator.make_state(cfg.estimator.options)
+    run.value_tracker = None
+    if cfg.data.value_sampling > 0:
+        run.value_tracker = ValueTracker(decay=0.9)
+        run.sampler.accept = selection_probability(run.value_tracker, cfg.data.value_sampling)
 
 
 def check_checkpoint(run: RunState, last: Path, expected: dict, train_ex) -> tuple[dict, dict]:
@@ -476,6 +491,10 @@ def restore(run: RunState, state: dict) -> None:
         run.history = state.get("history", {})
         if run.replay is not None and state.get("replay") is not None:
             run.replay.load_state_dict(state["replay"])
+        if run.est_state is not None and state.get("estimator_state") is not None:
+            run.est_state.load_state_dict(state["estimator_state"])
+        if run.value_tracker is not None and state.get("value_tracker") is not None:
+            run.value_tracker.load_state_dict(state["value_tracker"])
         if run.scaler is not None and state.get("scaler"):
             run.scaler.load_state_dict(state["scaler"])
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
@@ -502,6 +521,8 @@ def checkpoint_state(run: RunState) -> dict:
             "prior_key": run.prior_table["key"] if run.prior_table else None,
             "ranks": run.ranks.world, "rng_mode": "per_prompt" if run.per_prompt_rng else "global",
             "replay": run.replay.state_dict() if run.replay is not None else None,
+            "estimator_state": run.est_state.state_dict() if run.est_state is not None else None,
+            "value_tracker": run.value_tracker.state_dict() if run.value_tracker is not None else None,
             "decided": run.decided.as_dict() if run.decided is not None else None}
 
 
@@ -560,8 +581,12 @@ def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor, step: int =
         trajectory = distributed.local_trajectory(rollouts, len(batch), G, run.uses_trajectory)
     ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=features, history=run.history,
                            trajectory_features=trajectory, replay=run.replay, options=est.options,
-                           normalize=est.normalize)
+                           normalize=est.normalize, state=run.est_state)
     adv, base = run.estimator.compute(rewards, ctx)
+    if run.est_state is not None:  # after the baselines, like the history and the replay buffer
+        run.est_state.observe(step, ids, rewards)
+    if run.value_tracker is not None:
+        run.value_tracker.observe(ids, rewards)
     if run.uses_history:  # after the baselines: a prompt's history never holds its current reward
         for ex, row in zip(batch, rewards):
             h = run.history.setdefault(ex.id, [0, 0])
@@ -617,7 +642,8 @@ def step_record(run: RunState, step, data: distributed.StepData, adv, base, stat
         "step": step, "reward_mean": r_flat.mean().item(), "accuracy": sum(data.correct) / len(data.correct),
         "format_rate": sum(data.format) / len(data.format), "baseline_mean": base.mean().item(),
         "advantage_std": adv.std().item() if adv.numel() > 1 else 0.0,
-        "explained_variance": explained_variance(rewards, base), "kl": stats["kl"], "entropy": stats["entropy"],
+        "explained_variance": explained_variance(rewards, base),
+        "explained_variance_loo_ref": loo_reference_ev(r_flat.numel()), "kl": stats["kl"], "entropy": stats["entropy"],
         "completion_len": comp_tokens / len(data.completion_lens), "loss": stats["loss"],
         "grad_norm": stats["grad_norm"], "clip_fraction": stats["clip_fraction"],
         "lr": run.optimizer.param_groups[0]["lr"], "generation_s": gen_s, "training_s": train_s,
@@ -629,13 +655,27 @@ def step_record(run: RunState, step, data: distributed.StepData, adv, base, stat
         **{k: stats[k] for k in OPTIONAL_STEP_METRICS if k in stats},
         **({"trajectory_feature_s": getattr(run.engine, "trajectory_seconds", 0.0)} if run.uses_trajectory else {}),
         **({"replay_rows": run.replay.rows} if run.replay is not None else {}),
+        **(run.est_state.metrics() if hasattr(run.est_state, "metrics") else {}),
+        **({"value_sampling_skipped": run.sampler.skipped} if run.value_tracker is not None else {}),
     }
+
+
+def loo_reference_ev(n: int) -> float:
+    """The explained variance of the plain leave-one-out mean over n rollouts, 1 - (n / (n - 1))^2, whatever the
+    rewards (b_i = (S - r_i) / (n - 1) leaves r_i scaled by n / (n - 1)); nan for n < 2. A baseline that earns
+    something scores above it."""
+    return 1.0 - (n / (n - 1)) ** 2 if n >= 2 else float("nan")
+
+
+def _loo_ref(rec: dict) -> str:
+    ref = rec.get("explained_variance_loo_ref")
+    return f" (LOO {ref:+.2f})" if ref is not None and math.isfinite(ref) else ""
 
 
 def step_line(rec: dict) -> str:
     """The one-line report of a step; a step that left the adapter unchanged says so and why."""
     line = (f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
-            f"baseline {rec['baseline_mean']:.3f} | EV {rec['explained_variance']:+.2f} | "
+            f"baseline {rec['baseline_mean']:.3f} | EV {rec['explained_variance']:+.2f}{_loo_ref(rec)} | "
             f"len {rec['completion_len']:.0f} | gen {rec['generation_s']:.1f}s train {rec['training_s']:.1f}s")
     if rec.get("zero_update"):
         if rec.get("skipped"):

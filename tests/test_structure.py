@@ -16,7 +16,7 @@ LAYERS = [
     {"estimators", "estimators.basis_options", "estimators.probe_options", "loss_specs", "config"},
     # numerics: losses, estimators' functions, data, rewards
     {"losses", "estimators.base", "estimators.simple", "estimators.basis_blocks", "estimators.basis",
-     "estimators.probe", "estimators.poise", "data", "data.example", "data.loading", "data.prompts", "data.sampler",
+     "estimators.probe", "estimators.poise", "estimators.basis_mix", "data", "data.example", "data.loading", "data.prompts", "data.sampler",
      "rewards", "reward_worker", "metrics", "plot"},
     # model loading, engines, distributed, updates, checkpoints, export; EAPO (loads and checks a peft adapter)
     {"models", "unsloth_backend", "engines", "engines.base", "engines.hf", "engines.seeded", "engines.trajectory",

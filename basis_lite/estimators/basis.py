@@ -54,8 +54,14 @@ def basis(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     repeated G times; the baseline of a rollout never depends on its own reward (the other rollouts of the same
     prompt may be used, and with features they are its nearest neighbours). ``ctx.options`` are the BASIS options.
     ``ctx.history`` is not read here: the trainer folds a prompt's earlier rewards into ``ctx.prior``
-    (``priors.prior_values``).
+    (``priors.prior_values``). With the option ``mix: true`` the baseline is the mix of basis_mix.py, which keeps
+    its state in ``ctx.state`` (a ``basis_mix.BasisState``; a fresh one when the caller passes none).
     """
+    if (ctx.options or {}).get("mix"):
+        from .basis_mix import basis_mix, make_state
+
+        return basis_mix(rewards, ctx, ctx.state if getattr(ctx, "state", None) is not None
+                         else make_state(ctx.options))
     B, G = rewards.shape
     p = f = None
     if ctx.prior is not None:
@@ -143,6 +149,8 @@ def basis_baseline(rewards: Tensor, prior: Tensor | None = None, features: Tenso
     combine="toward_prior"              prior and features together: "toward_prior" | "residual" (see 3.)
     clip=True                           clamp b_i to [0, 1] (widened to the other rewards' range, see 5.)
     empty_baseline=0.0                  baseline when no other prompt is available (batch of one, no prior)
+    mix=False, mix_parts, mix_rate, mix_memory, tracker_decay, tracker_prior_count, probe_min_rows
+                                        read by ``basis`` only (basis_mix.py); ignored here
     """
     o = parse_options(options)
     r_in = rewards_1d(rewards)
