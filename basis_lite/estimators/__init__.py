@@ -120,7 +120,7 @@ class EstimatorSpec:
         """The estimator function: ``fn``, or the one ``@estimator(name)`` bound (its modules imported now)."""
         if self.fn is not None:
             return self.fn
-        from . import basis, poise, simple  # noqa: F401  (torch, only now: their @estimator lines bind the functions)
+        from . import basis_mix, poise, simple  # noqa: F401  (torch, only now: their @estimator lines bind the functions)
         from .base import bound_function
 
         fn = bound_function(self.name)
@@ -202,7 +202,7 @@ register(EstimatorSpec(
     "basis", min_rollouts=1, uses_features=True, uses_prior=True, uses_history=True,
     description="BASIS: each prompt's baseline from the other prompts of the batch (kernel-weighted by prompt "
                 "similarity, shrunk toward a calibrated prior); b_i never uses r_i",
-    check_options=basis_options.validate_options, replay_capacity=basis_options.mix_replay_capacity,
+    check_options=basis_options.validate_options, replay_capacity=probe_options.mix_replay_capacity,
     state=_basis_state))
 register(EstimatorSpec(
     "reinforce_pp", min_rollouts=1,

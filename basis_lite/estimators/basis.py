@@ -26,7 +26,6 @@ from torch import Tensor
 from .base import (
     as_float_tensor,
     check_finite,
-    estimator,
     leave_one_out_mean,
     leave_one_out_range,
     leave_one_out_sum,
@@ -46,7 +45,6 @@ from .basis_blocks import (
 from .basis_options import parse_options
 
 
-@estimator("basis")
 def basis(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     """The registered estimator: A = r - b, b = ``basis_baseline`` over all B*G rollouts as rows.
 
@@ -54,14 +52,9 @@ def basis(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     repeated G times; the baseline of a rollout never depends on its own reward (the other rollouts of the same
     prompt may be used, and with features they are its nearest neighbours). ``ctx.options`` are the BASIS options.
     ``ctx.history`` is not read here: the trainer folds a prompt's earlier rewards into ``ctx.prior``
-    (``priors.prior_values``). With the option ``mix: true`` the baseline is the mix of basis_mix.py, which keeps
-    its state in ``ctx.state`` (a ``basis_mix.BasisState``; a fresh one when the caller passes none).
+    (``priors.prior_values``). The registered ``basis`` estimator (basis_mix.basis_estimator) calls this, or with
+    the option ``mix: true`` the mix of basis_mix.py, whose parts call this.
     """
-    if (ctx.options or {}).get("mix"):
-        from .basis_mix import basis_mix, make_state
-
-        return basis_mix(rewards, ctx, ctx.state if getattr(ctx, "state", None) is not None
-                         else make_state(ctx.options))
     B, G = rewards.shape
     p = f = None
     if ctx.prior is not None:

@@ -35,10 +35,10 @@ import math
 import torch
 from torch import Tensor
 
-from .base import leave_one_out_mean
+from .base import estimator, leave_one_out_mean
 from .basis import basis
 from .basis_options import MIX_KEYS, mix_options
-from .poise import _clip_range, fit_prompt_probe
+from .poise import clip_range, fit_prompt_probe
 from .probe_options import ProbeOptions
 
 PROBE = ProbeOptions(ridge=100.0)  # the probe part: basis_probe's probe, fixed ridge (no per-step grid search)
@@ -176,7 +176,7 @@ def basis_mix(rewards: Tensor, ctx, state: BasisState) -> tuple[Tensor, Tensor]:
         probe = fit_prompt_probe(buf, state.probe)
         if probe is not None:
             q = probe.predict({"prompt": torch.as_tensor(ctx.features).double()})
-            probe_q = q.clamp(*_clip_range(buf)).clamp(0.0, 1.0)
+            probe_q = q.clamp(*clip_range(buf)).clamp(0.0, 1.0)
     if "pool" in state.parts:
         parts["pool"] = basis(rewards, dataclasses.replace(ctx, options=opts))[1]
     if "probe" in state.parts:
@@ -191,3 +191,13 @@ def basis_mix(rewards: Tensor, ctx, state: BasisState) -> tuple[Tensor, Tensor]:
     base = sum(w[p] * parts[p].double() for p in state.parts).to(rewards.dtype)
     state.pending = parts
     return rewards - base, base
+
+
+@estimator("basis")
+def basis_estimator(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
+    """The ``basis`` estimator: BASIS pooling (basis.basis), or with the option ``mix: true`` the mix of its parts,
+    whose state is ``ctx.state`` (a fresh one when the caller passes none)."""
+    if (ctx.options or {}).get("mix"):
+        return basis_mix(rewards, ctx, ctx.state if getattr(ctx, "state", None) is not None
+                         else make_state(ctx.options))
+    return basis(rewards, ctx)

@@ -167,15 +167,6 @@ def validate_options(options: dict) -> dict:
     return out
 
 
-def mix_replay_capacity(options: dict) -> int | None:
-    """Rollouts of earlier steps the trainer keeps for the mix's probe (the probe and tracker parts use it); None
-    without mix (no buffer)."""
-    from .probe_options import PROBE_DEFAULTS
-
-    o = mix_options(options)
-    return int(PROBE_DEFAULTS["buffer_size"]) if o["mix"] and {"probe", "tracker"} & set(o["mix_parts"]) else None
-
-
 def mix_options(options: dict | None) -> dict:
     """The mix settings of a BASIS options mapping, checked, with the defaults filled in."""
     o = validate_options(dict(options or {}))
