@@ -103,6 +103,9 @@ class GenerationConfig:
     # (each prompt of a step its own stream, so rollouts do not depend on batching or the number of ranks) |
     # auto (per_prompt under torchrun, global otherwise)
     rng: str = "auto"
+    # hf engine on the CPU: auto (rollouts and eval through engines/fast_cpu.py where the model is supported) | off
+    # (transformers' generate(), as on a GPU)
+    fast_cpu: str = "auto"
 
 
 @dataclass
@@ -197,6 +200,7 @@ CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "generation.engine": ("hf", "vllm"),
     "generation.rng": ("auto", "global", "per_prompt"),
+    "generation.fast_cpu": ("auto", "off"),
     "estimator.name": estimator_names(),  # the registry (validate() reads it again, for names registered later)
     "train.schedule": ("cosine", "constant"),
     "train.optimizer": ("auto", "adamw", "adamw8bit"),
@@ -345,6 +349,9 @@ HELP: dict[str, str] = {
     "generation.rng": "where sampling randomness comes from: global (torch's RNG) | per_prompt (each prompt of a step "
                       "its own stream, so rollouts do not depend on batching or the number of ranks; EAPO-injected "
                       "rollouts still draw from torch's RNG) | auto (per_prompt under torchrun)",
+    "generation.fast_cpu": "hf engine on the CPU: auto (rollouts and eval from merged weights, finished rows dropped, "
+                           "the shared prompt prefix prefilled once; generate() for trajectory features, EAPO "
+                           "injection and non-Llama models) | off (transformers' generate())",
     "reward.correctness_weight": "weight of the math-verify answer check (1 when the answer equals the gold one)",
     "reward.format_weight": "weight of the format reward (1 for a non-empty \\boxed{})",
     "reward.require_boxed": "correctness reads only the last non-empty \\boxed{} (math-verify alone falls back "
