@@ -103,7 +103,7 @@ def measure_step(preset: str, dtype_name: str, overrides: list[str]) -> dict:
     from basis_lite.models import load_policy, resolve_device, resolve_dtype
     from basis_lite.rewards import RewardScorer
     from basis_lite.runtime import seed_everything
-    from basis_lite.update import make_optimizer, make_scheduler, policy_update
+    from basis_lite.update import make_optimizer, make_scheduler
 
     out = {}
     for name, mode in (("fast", "auto"), ("generate", "off")):
@@ -116,7 +116,7 @@ def measure_step(preset: str, dtype_name: str, overrides: list[str]) -> dict:
                        fast_cpu=mode)
         batch, prompts = _batch(cfg, tok)
         opt = make_optimizer(cfg, model, device)
-        fields = dict(cfg=cfg, run_dir=Path(tempfile.gettempdir()), device=device, model=model, tok=tok, engine=eng,
+        fields = dict(ranks=trainer.distributed.Ranks(), cfg=cfg, run_dir=Path(tempfile.gettempdir()), device=device, model=model, tok=tok, engine=eng,
                       scorer=RewardScorer(cfg.reward), optimizer=opt, scheduler=make_scheduler(cfg, opt),
                       estimator=get_estimator(cfg.estimator.name), prompt_of=dict(zip([e.id for e in batch], prompts)),
                       eval_examples=[])
@@ -129,7 +129,7 @@ def measure_step(preset: str, dtype_name: str, overrides: list[str]) -> dict:
         rewards, _ = trainer.score(run, batch, rolls)
         adv, _ = trainer.baselines(run, batch, rolls, rewards)
         t1 = time.perf_counter()
-        policy_update(cfg, model, opt, rolls, adv.reshape(-1), tok.pad_token_id, device)
+        trainer.update(run, rolls, adv, 1)
         t_train = time.perf_counter() - t1
         out[name] = {"gen_s": t_gen, "train_s": t_train, "step_s": time.perf_counter() - t0,
                      "tokens": sum(len(r.completion_ids) for r in rolls)}

@@ -83,11 +83,11 @@ def test_greedy_equals_generate_with_stops_rows_leaving_and_shared_prefix(policy
     fast, plain = _engines(model, tok, batch_size=16)
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     free = plain.generate(PROMPTS, params)
-    counts: dict[int, int] = {}
-    for r in free:
-        for t in r.completion_ids[1:]:
-            counts[t] = counts.get(t, 0) + 1
-    stop = max(counts, key=counts.get)
+
+    def outcomes(t):  # where each row would stop with t as a stop token (None: it would not)
+        return {next((i for i, x in enumerate(r.completion_ids) if x == t), None) for r in free}
+
+    stop = max(sorted({t for r in free for t in r.completion_ids}), key=lambda t: len(outcomes(t)))
     for e in (fast, plain):
         e.stop_ids = sorted({*e.stop_ids, stop})
     want = plain.generate(PROMPTS, params)
@@ -249,3 +249,26 @@ def test_config_key_generation_fast_cpu(policy):
     assert eng.fast_decoder() is None and "off" in eng.fast_cpu_fallback
     with pytest.raises(ConfigError, match="generation.fast_cpu.*auto.*off"):
         load_config("smoke", ["generation.fast_cpu=fast"])
+
+
+def test_bench_generation_runs_both_paths_on_the_tiny_model(tmp_path):
+    """bench/generation.py end to end on the smoke preset: both engines measured in one run, the tables written
+    (no timing asserted)."""
+    import importlib.util
+    import json
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_generation", REPO / "bench" / "generation.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    assert m.main(["--preset", "smoke", "--dtypes", "float32", "--repeats", "1", "--step", "--out",
+                   str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "generation.json").read_text())
+    (d,) = res["dtypes"]
+    assert set(d["best"]) == {"fast", "generate"} and d["best"]["fast"]["tokens"] > 0
+    assert d["merged_extra_mb"] > 0 and set(res["steps"]["float32"]) == {"fast", "generate"}
+    md = (tmp_path / "generation.md").read_text()
+    assert "fast path" in md and "generate()" in md and "avx2" in md

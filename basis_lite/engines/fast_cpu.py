@@ -14,8 +14,8 @@ optimizer step without a sync); the base weights are only read, never written. E
 output head are the base model's own tensors. The extra memory is `extra_bytes`.
 
 Forward. A plain Llama decoder step written with torch ops (RMSNorm and rotary embeddings are the model's own
-modules), attention through scaled_dot_product_attention over a per-call cache [layers][k|v][rows, kv heads,
-slots, head dim] sized for the longest prompt plus max_new_tokens. Slot layout of a row:
+modules), attention through scaled_dot_product_attention in float32 (also over a 16-bit base) over a per-call
+cache [layers][k|v][rows, kv heads, slots, head dim] sized for the longest prompt plus max_new_tokens. Slot layout of a row:
 
     [shared prefix (P) | its prompt suffix, right-aligned in S slots (masked gap on its left) | generated tokens]
 
@@ -104,7 +104,7 @@ def why_not(model) -> str | None:
 class FastDecoder:
     """Merged-weight batched sampling for a Llama-type model on the CPU (see the module docstring)."""
 
-    def __init__(self, model):
+    def __init__(self, model, packed: bool = True):
         self.model = model
         self.base = _base_model(model)
         self.body = self.base.model
@@ -116,6 +116,9 @@ class FastDecoder:
         self.scaling = a0.scaling
         self.dtype = _lora_parts(a0.q_proj)[0].weight.dtype  # the compute dtype: the base's
         self.merged = self.dtype == torch.float32
+        # float32: oneDNN's inner product on pre-converted weights, at decode's few rows faster than F.linear (not so
+        # for bf16, measured: bench/results/generation.md)
+        self.packed = packed and self.merged and torch.backends.mkldnn.is_available()
         self._key = None
         self.layers: list[dict] = []
         for layer in self.body.layers:
@@ -123,22 +126,24 @@ class FastDecoder:
             for parent, names in _LINEARS:
                 modules = [getattr(getattr(layer, parent), n) for n in names]
                 bases = [_lora_parts(m)[0] for m in modules]
-                w = torch.empty(sum(b.weight.shape[0] for b in bases), bases[0].weight.shape[1], dtype=self.dtype)
-                if not self.merged:  # the frozen base, fused; the adapter runs beside it (refresh)
-                    torch.cat([b.weight.detach() for b in bases], out=w)
                 bias = None if all(b.bias is None for b in bases) else torch.cat([
                     b.bias.detach() if b.bias is not None else torch.zeros(b.weight.shape[0], dtype=self.dtype)
                     for b in bases])
-                groups.append(_Group(w, bias, modules))
+                g = _Group(bias, modules, self.packed)
+                if not self.merged:  # the frozen base, fused, once; the adapter runs beside it (refresh)
+                    g.set_weight(torch.cat([b.weight.detach() for b in bases]))
+                groups.append(g)
             self.layers.append({"layer": layer, "groups": groups})
-        head = self.base.lm_head.weight
-        self.head = head if head.dtype == self.dtype else head.detach().to(self.dtype)
-        self.head_bias = self.base.lm_head.bias
+        lm = self.base.lm_head
+        self.head = _Group(None if lm.bias is None else lm.bias.detach(), [lm], self.packed)
+        if self.packed:
+            self.head.set_weight(lm.weight.detach())  # a oneDNN copy of the (tied) head
+        else:
+            self.head.w = lm.weight.detach()  # the base's own tensor
         self.refresh()
-        self.extra_bytes = sum(_nbytes(g.w) + (sum(_nbytes(t) for t in g.lora) if g.lora else 0)
-                               for e in self.layers for g in e["groups"])
-        if self.head is not head:
-            self.extra_bytes += _nbytes(self.head)
+        self.extra_bytes = sum(g.nbytes() for e in self.layers for g in e["groups"])
+        if self.packed:
+            self.extra_bytes += self.head.nbytes()
 
     @classmethod
     def build(cls, model):
@@ -158,20 +163,22 @@ class FastDecoder:
         with torch.no_grad():
             for g, mods in zip(groups, state):
                 if self.merged:
+                    w = g.w if g.w is not None else torch.empty(g.shape, dtype=self.dtype)
                     row = 0
                     for base_lin, parts in mods:
-                        dst = g.w[row:row + base_lin.weight.shape[0]]
+                        dst = w[row:row + base_lin.weight.shape[0]]
                         dst.copy_(base_lin.weight)
                         for A, B, s in parts:
                             dst.addmm_(B.to(self.dtype), A.to(self.dtype), alpha=s)
                         row += base_lin.weight.shape[0]
+                    g.set_weight(w)
                     continue
                 rank = sum(A.shape[0] for _, parts in mods for A, _, _ in parts)
                 if not rank:
                     g.lora = None
                     continue
                 if g.lora is None or g.lora[0].shape[0] != rank:  # [A; A; ...] and block-diagonal s * B
-                    g.lora = (torch.zeros(rank, g.w.shape[1]), torch.zeros(g.w.shape[0], rank))
+                    g.lora = (torch.zeros(rank, g.shape[1]), torch.zeros(g.shape[0], rank))
                 row, col = 0, 0
                 for base_lin, parts in mods:
                     for A, B, s in parts:
@@ -206,9 +213,9 @@ class FastDecoder:
             kc, vc = cache[li]
             kc[:b, :, slot0:end] = k
             vc[:b, :, slot0:end] = v
-            a = F.scaled_dot_product_attention(q, kc[:b, :, :end], vc[:b, :, :end], attn_mask=mask,
+            a = F.scaled_dot_product_attention(q.float(), kc[:b, :, :end], vc[:b, :, :end], attn_mask=mask,
                                                scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
-            h = h + o_g(a.transpose(1, 2).reshape(b, t, nq))
+            h = h + o_g(a.transpose(1, 2).reshape(b, t, nq).to(self.dtype))
             x = layer.post_attention_layernorm(h)
             gu = gu_g(x)
             inter = gu.shape[-1] // 2
@@ -218,7 +225,7 @@ class FastDecoder:
         return self.body.norm(h), feat
 
     def _logits(self, h):
-        return F.linear(h, self.head, self.head_bias).float()
+        return self.head(h).float()
 
     # ------------------------------------------------------------------------------------------------ generate
     @torch.no_grad()
@@ -235,8 +242,10 @@ class FastDecoder:
         P = _common_prefix(rows, max(0, min(len(r) for r in rows) - min_suffix))
         S = max(len(r) for r in rows) - P
         slots = P + S + max_new_tokens
-        cache = [(torch.empty(B, self.n_kv, slots, self.head_dim, dtype=self.dtype),
-                  torch.empty(B, self.n_kv, slots, self.head_dim, dtype=self.dtype)) for _ in self.layers]
+        # float32 keys and values for every base dtype: CPU attention over bf16 runs several times slower, and
+        # computes in float32 inside anyway
+        cache = [(torch.empty(B, self.n_kv, slots, self.head_dim), torch.empty(B, self.n_kv, slots, self.head_dim))
+                 for _ in self.layers]
         valid = torch.zeros(B, slots, dtype=torch.bool)
         valid[:, :P] = True
         if P:  # the shared prefix once, at batch 1, copied into every row
@@ -311,14 +320,37 @@ class FastDecoder:
 
 class _Group:
     """Linear layers that read the same input, fused: y = x @ w.T + bias (+ the adapter in float32 beside a 16-bit
-    base: (x @ A.T) @ (s * B).T added in float32 and rounded to the base dtype, as peft's LoRA layer computes)."""
+    base: (x @ A.T) @ (s * B).T added in float32 and rounded to the base dtype, as peft's LoRA layer computes).
+    With `packed`, w is kept only as a oneDNN tensor and applied by oneDNN's inner product."""
 
-    def __init__(self, w, bias, modules):
-        self.w, self.bias, self.modules = w, bias, modules
+    def __init__(self, bias, modules, packed: bool):
+        self.bias, self.modules, self.packed = bias, modules, packed
+        base = [_lora_parts(m)[0] if hasattr(m, "base_layer") else m for m in modules]
+        self.shape = (sum(b.weight.shape[0] for b in base), base[0].weight.shape[1])
+        self.w: torch.Tensor | None = None  # dense [out, in], unless packed
+        self.wm = self.bm = None  # oneDNN copies of w and bias
         self.lora: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def set_weight(self, w: torch.Tensor) -> None:
+        if not self.packed:
+            self.w = w
+            return
+        self.wm = w.to_mkldnn()
+        if self.bias is not None and self.bm is None:
+            self.bm = self.bias.to_mkldnn()
+
+    def nbytes(self) -> int:
+        dense = self.w if self.w is not None else self.wm
+        n = self.shape[0] * self.shape[1] * dense.element_size() if dense is not None else 0
+        return n + (sum(_nbytes(t) for t in self.lora) if self.lora else 0)
+
     def __call__(self, x):
-        y = F.linear(x, self.w, self.bias)
+        if self.wm is not None:
+            lead = x.shape[:-1]
+            y = torch._C._nn.mkldnn_linear(x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn(), self.wm, self.bm)
+            y = y.to_dense().view(*lead, self.shape[0])
+        else:
+            y = F.linear(x, self.w, self.bias)
         if self.lora is None:
             return y
         A, B = self.lora
