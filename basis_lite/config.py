@@ -104,8 +104,8 @@ class GenerationConfig:
     # auto (per_prompt under torchrun, global otherwise)
     rng: str = "auto"
     # hf engine on the CPU: auto (rollouts and eval through engines/fast_cpu.py where the model is supported) | off
-    # (transformers' generate(), as on a GPU)
-    fast_cpu: str = "auto"
+    # (transformers' generate(), as on a GPU); YAML's true/false (also on/off) read as auto/off
+    fast_cpu: Any = "auto"
 
 
 @dataclass
@@ -351,7 +351,7 @@ HELP: dict[str, str] = {
                       "rollouts still draw from torch's RNG) | auto (per_prompt under torchrun)",
     "generation.fast_cpu": "hf engine on the CPU: auto (rollouts and eval from merged weights, finished rows dropped, "
                            "the shared prompt prefix prefilled once; generate() for trajectory features, EAPO "
-                           "injection and non-Llama models) | off (transformers' generate())",
+                           "injection and non-Llama models; also true) | off (transformers' generate(); also false)",
     "reward.correctness_weight": "weight of the math-verify answer check (1 when the answer equals the gold one)",
     "reward.format_weight": "weight of the format reward (1 for a non-empty \\boxed{})",
     "reward.require_boxed": "correctness reads only the last non-empty \\boxed{} (math-verify alone falls back "
@@ -622,6 +622,8 @@ def validate(cfg: Config) -> None:
         setattr(obj, leaf, _coerce(getattr(obj, leaf), _hints(type(obj))[leaf], key))
     if isinstance(cfg.train.mismatch_correction, bool):
         cfg.train.mismatch_correction = "always" if cfg.train.mismatch_correction else "never"
+    if isinstance(cfg.generation.fast_cpu, bool):
+        cfg.generation.fast_cpu = "auto" if cfg.generation.fast_cpu else "off"
     for key, choices in CHOICES.items():
         if key == "estimator.name":
             choices = estimator_names()

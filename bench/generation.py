@@ -12,8 +12,9 @@ the model once and builds two HFEngines on it: `fast_cpu="auto"` (the fast path)
 as before). After one warm-up call each, every repeat runs both engines back to back (the order alternates), the
 global RNG reseeded before each call; the best time of each is kept. tok/s = sampled tokens / wall time of
 engine.generate (prefill, decode, sampling, tokenizing and decoding text); both engines sample the same
-distribution but not the same tokens, so their token counts differ a little. The merge time is one forced rebuild
-of the merged weights (what the first rollout after an optimizer step pays). `--step` also times
+distribution but not the same tokens, so their token counts differ a little. The build time is one build of the
+fast path's weight copies (merged or fused, packed for oneDNN), which every generate() call pays (they are freed
+after it, so they never sit beside the update's activations); it is inside the fast path's time. `--step` also times
 trainer.rollout + score + baselines + update once per engine, on one fresh model per engine.
 
 Writes bench/results/generation.json and generation.md (--out to change), with the machine's flags.
@@ -78,6 +79,7 @@ def measure_dtype(preset: str, dtype_name: str, repeats: int, overrides: list[st
     t0 = time.perf_counter()
     fast.refresh(force=True)
     merge_s = time.perf_counter() - t0
+    fast.release()
     head_dim, n_kv = fast.head_dim, fast.n_kv
     longest = max(len(tok(p, add_special_tokens=False).input_ids) for p in prompts)
     kv_bytes = (2 * len(fast.layers) * len(prompts) * cfg.estimator.rollouts_per_prompt * n_kv * head_dim
@@ -157,7 +159,8 @@ def write(out_dir: Path, result: dict) -> None:
             lines.append(f"| {d['dtype']} | {'fast path' if name == 'fast' else 'generate()'} | {d['prompts']} x "
                          f"{d['rollouts_per_prompt']}, {d['max_new_tokens']} new, T={d['temperature']} | "
                          f"{b['seconds']:.2f} | {b['tokens']} | {b['finished']}/{b['rows']} | {b['tok_s']:.1f} | {sp} |")
-    lines += ["", "| dtype | merge (rebuild after an update) s | merged weights, extra MB | KV cache MB (upper bound) |",
+    lines += ["", "| dtype | weight copies: build s (per call) | weight copies MB (during rollouts only) | KV cache MB (upper "
+              "bound) |",
               "|---|---|---|---|"]
     for d in result["dtypes"]:
         lines.append(f"| {d['dtype']} | {d['merge_s']:.3f} | {d['merged_extra_mb']:.0f} | "

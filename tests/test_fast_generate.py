@@ -25,7 +25,8 @@ PROMPTS = [f"{SYSTEM}<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" f
 
 def _policy(dtype=torch.float32, seed: int = 0):
     torch.set_num_threads(1)
-    cfg = load_config("smoke", [f"model.dtype={str(dtype).split('.')[-1]}"])
+    # the chat prompts are ~100-130 tokens of the byte-level tiny tokenizer: room for them in the update
+    cfg = load_config("smoke", [f"model.dtype={str(dtype).split('.')[-1]}", "model.max_seq_length=256"])
     model, tok = load_policy(cfg, CPU, dtype)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # move the adapter off zero, so policy and base differ
@@ -169,17 +170,16 @@ def test_base_weights_stay_bit_identical_over_syncs_steps_and_evals(dtype):
     assert loaded and all("lora_" not in n for n in loaded)
     fast = HFEngine(model, tok, batch_size=16)
     opt = make_optimizer(load_config("smoke", ["train.lr=0.05"]), model, CPU)
-    builds, texts = 0, []
+    texts = []
     for step in range(6):
         fast.sync(model)
         rolls = fast.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6))
-        builds += fast._fast._key is not None
         model.train()
         policy_update(cfg, model, opt, rolls, torch.linspace(-1, 1, len(rolls)), tok.pad_token_id, CPU)
         texts.append([r.completion_ids for r in fast.generate(PROMPTS, SamplingParams(temperature=0.0,
                                                                                       max_new_tokens=6))])
-        assert fast._fast.refresh() is False  # eval already re-merged after the step: nothing stale
-    assert builds == 6 and texts[0] != texts[-1]  # the adapter moved and greedy output followed it
+        assert fast._fast._key is None and fast._fast.head.wm is None  # copies freed after each generate()
+    assert texts[0] != texts[-1]  # the adapter moved and greedy output followed it
     for n, p in model.named_parameters():
         if n in loaded:
             assert p.dtype == loaded[n].dtype and torch.equal(p.detach(), loaded[n]), n
@@ -247,6 +247,8 @@ def test_config_key_generation_fast_cpu(policy):
     cfg = load_config("smoke", ["generation.fast_cpu=off"])
     eng = make_engine(cfg, model, tok)
     assert eng.fast_decoder() is None and "off" in eng.fast_cpu_fallback
+    assert load_config("smoke", ["generation.fast_cpu=false"]).generation.fast_cpu == "off"
+    assert load_config("smoke", ["generation.fast_cpu=true"]).generation.fast_cpu == "auto"
     with pytest.raises(ConfigError, match="generation.fast_cpu.*auto.*off"):
         load_config("smoke", ["generation.fast_cpu=fast"])
 

@@ -129,21 +129,22 @@ class FastDecoder:
                 bias = None if all(b.bias is None for b in bases) else torch.cat([
                     b.bias.detach() if b.bias is not None else torch.zeros(b.weight.shape[0], dtype=self.dtype)
                     for b in bases])
-                g = _Group(bias, modules, self.packed)
-                if not self.merged:  # the frozen base, fused, once; the adapter runs beside it (refresh)
-                    g.set_weight(torch.cat([b.weight.detach() for b in bases]))
-                groups.append(g)
+                groups.append(_Group(bias, modules, self.packed))
             self.layers.append({"layer": layer, "groups": groups})
         lm = self.base.lm_head
         self.head = _Group(None if lm.bias is None else lm.bias.detach(), [lm], self.packed)
-        if self.packed:
-            self.head.set_weight(lm.weight.detach())  # a oneDNN copy of the (tied) head
-        else:
-            self.head.w = lm.weight.detach()  # the base's own tensor
         self.refresh()
         self.extra_bytes = sum(g.nbytes() for e in self.layers for g in e["groups"])
         if self.packed:
             self.extra_bytes += self.head.nbytes()
+        self.release()
+
+    def release(self) -> None:
+        """Free the engine's weight copies (HFEngine does after each generate(): they exist during rollouts only,
+        not beside the update's activations); the next refresh() builds them again."""
+        for g in [g for e in self.layers for g in e["groups"]] + [self.head]:
+            g.w = g.wm = g.lora = None
+        self._key = None
 
     @classmethod
     def build(cls, model):
@@ -161,7 +162,15 @@ class FastDecoder:
             return False
         groups = [g for e in self.layers for g in e["groups"]]
         with torch.no_grad():
+            if self.head.w is None and self.head.wm is None:
+                lm = self.base.lm_head
+                if self.packed:
+                    self.head.set_weight(lm.weight.detach())  # a oneDNN copy of the (tied) head
+                else:
+                    self.head.w = lm.weight.detach()  # the base's own tensor
             for g, mods in zip(groups, state):
+                if not self.merged and g.w is None and g.wm is None:  # the frozen base, fused
+                    g.set_weight(torch.cat([b.weight.detach() for b, _ in mods]))
                 if self.merged:
                     w = g.w if g.w is not None else torch.empty(g.shape, dtype=self.dtype)
                     row = 0

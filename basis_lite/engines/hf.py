@@ -119,11 +119,15 @@ class HFEngine:
         """n = params.n samples per prompt, prompt-major; generate() is called on chunks of batch_size sequences."""
         per_call = max(1, self.batch_size // max(1, params.n))
         out: list[Rollout] = []
-        for start in range(0, len(prompts), per_call):
-            chunk = params if params.seeds is None else dataclasses.replace(
-                params, seeds=params.seeds[start:start + per_call])
-            out.extend(self._generate_chunk(prompts[start:start + per_call], chunk, with_features,
-                                              with_trajectory))
+        try:
+            for start in range(0, len(prompts), per_call):
+                chunk = params if params.seeds is None else dataclasses.replace(
+                    params, seeds=params.seeds[start:start + per_call])
+                out.extend(self._generate_chunk(prompts[start:start + per_call], chunk, with_features,
+                                                  with_trajectory))
+        finally:
+            if self._fast is not None:  # its weight copies live during rollouts only
+                self._fast.release()
         return out
 
     def _generate_chunk(self, prompts: list[str], params: SamplingParams, with_features: bool,
