@@ -22,8 +22,9 @@ Trajectory features (``with_trajectory=True``, for value probes) come from the s
 scores through a logits processor that returns them unchanged. Without it neither is installed.
 
 On the CPU (`fast_cpu="auto"`, config `generation.fast_cpu`), rollouts and eval take `engines.fast_cpu.FastDecoder`
-instead of generate(): merged float32 weights built from the live adapter (the base is never written), a KV cache
-allocated once per call, finished rows dropped, the shared prompt prefix prefilled once. It returns the same
+instead of generate(): weights built from the live adapter at each call (merged over a float32 base, the adapter
+in float32 beside a bf16 one; the base is never written), a KV cache allocated once per call, finished rows
+dropped, the shared prompt prefix prefilled once. It returns the same
 Rollout fields (log-probs at the sampling temperature, prompt features, per-prompt seeds). It falls back to
 generate() for trajectory features, EAPO injection, and models or adapters it does not support
 (`fast_cpu_fallback` says why).
