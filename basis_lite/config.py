@@ -106,6 +106,9 @@ class GenerationConfig:
     # (each prompt of a step its own stream, so rollouts do not depend on batching or the number of ranks) |
     # auto (per_prompt under torchrun, global otherwise)
     rng: str = "auto"
+    # hf engine on the CPU: auto (rollouts and eval through engines/fast_cpu.py where the model is supported) | off
+    # (transformers' generate(), as on a GPU); YAML's true/false (also on/off) read as auto/off
+    fast_cpu: Any = "auto"
 
 
 @dataclass
@@ -202,6 +205,7 @@ CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "generation.engine": ("hf", "vllm"),
     "generation.rng": ("auto", "global", "per_prompt"),
+    "generation.fast_cpu": ("auto", "off"),
     "estimator.name": estimator_names(),  # the registry (validate() reads it again, for names registered later)
     "train.schedule": ("cosine", "constant"),
     "train.optimizer": ("auto", "adamw", "adamw8bit"),
@@ -365,6 +369,9 @@ HELP: dict[str, str] = {
     "generation.rng": "where sampling randomness comes from: global (torch's RNG) | per_prompt (each prompt of a step "
                       "its own stream, so rollouts do not depend on batching or the number of ranks; EAPO-injected "
                       "rollouts still draw from torch's RNG) | auto (per_prompt under torchrun)",
+    "generation.fast_cpu": "hf engine on the CPU: auto (rollouts and eval from merged weights, finished rows dropped, "
+                           "the shared prompt prefix prefilled once; generate() for trajectory features, EAPO "
+                           "injection and non-Llama models; also true) | off (transformers' generate(); also false)",
     "reward.correctness_weight": "weight of the math-verify answer check (1 when the answer equals the gold one)",
     "reward.format_weight": "weight of the format reward (1 for a non-empty \\boxed{})",
     "reward.require_boxed": "correctness reads only the last non-empty \\boxed{} (math-verify alone falls back "
@@ -642,6 +649,8 @@ def validate(cfg: Config) -> None:
         setattr(obj, leaf, _coerce(getattr(obj, leaf), _hints(type(obj))[leaf], key))
     if isinstance(cfg.train.mismatch_correction, bool):
         cfg.train.mismatch_correction = "always" if cfg.train.mismatch_correction else "never"
+    if isinstance(cfg.generation.fast_cpu, bool):
+        cfg.generation.fast_cpu = "auto" if cfg.generation.fast_cpu else "off"
     for key, choices in CHOICES.items():
         if key == "estimator.name":
             choices = estimator_names()
