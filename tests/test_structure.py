@@ -20,7 +20,7 @@ LAYERS = [
      "rewards", "reward_worker", "metrics", "plot"},
     # model loading, engines, distributed, updates, checkpoints, export; EAPO (loads and checks a peft adapter)
     {"models", "unsloth_backend", "engines", "engines.base", "engines.hf", "engines.seeded", "engines.trajectory",
-     "engines.vllm", "distributed", "update", "checkpoint", "plan", "export_check", "eapo"},
+     "engines.vllm", "engines.fast_cpu", "distributed", "update", "checkpoint", "plan", "export_check", "eapo"},
     # assembly
     {"runtime", "evaluate", "priors", "runs", "trainer", "export", "gguf_export"},
     {"cli", "__main__", "__init__"},
