@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -181,9 +182,7 @@ def test_exported_adapter_loads_with_stock_peft_and_answers_as_basis_lite_eval(e
     """The adapter export of a built-in base, loaded by plain peft + transformers in a fresh interpreter that never
     imports basis_lite (AutoPeftModelForCausalLM from inside the folder; PeftModel over its base/ from elsewhere),
     gives the same greedy completions, from the same prompt text, as `basis-lite eval` on the export."""
-    import subprocess
 
-    from basis_lite.config import load_config_file
 
     out = tmp_path / "adapter-out"
     assert cli.main(["export", str(env["run"]), "--out", str(out)]) == 0
@@ -191,19 +190,7 @@ def test_exported_adapter_loads_with_stock_peft_and_answers_as_basis_lite_eval(e
     assert cli.main(["eval", str(out), "--limit", "3", "--out", str(res), "--set", "model.dtype=float32"]) == 0
     recs = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
     assert len(recs) == 3 and all(r["completion"] for r in recs)
-    cfg = load_config_file(env["run"] / "config.yaml")
-    script = tmp_path / "stock_load.py"
-    script.write_text(STOCK_LOAD)
-    proc = subprocess.run([sys.executable, str(script), str(out), cfg.data.instruction,
-                           str(cfg.train.eval_max_new_tokens), str(tmp_path / "eval_samples.jsonl")], cwd=out,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["basis_lite_imported"] is False
-    for name in ("auto", "peft"):
-        assert [a["prompt_text"] for a in got[name]] == [r["prompt_text"] for r in recs], name
-        assert [a["completion"] for a in got[name]] == [r["completion"] for r in recs], name
+    _assert_stock_tools_answer_alike(env["run"], out, tmp_path, recs, timeout=300)
 
 
 def test_export_merged_bf16_reloads_in_plain_transformers_within_tolerance(env, tmp_path, capsys):
@@ -380,11 +367,9 @@ def test_export_errors_exit_2(env, tmp_path, capsys):
 def test_builtin_smollm2_adapter_export_answers_like_basis_lite_eval_in_stock_peft(tmp_path):
     """The same check on the real built-in SmolLM2 (dequantised from Q4_1: only the carried base/ reproduces it):
     one training step, export, `basis-lite eval` on 6 problems, and plain peft + transformers from the folder."""
-    import subprocess
 
     from conftest import sets
 
-    from basis_lite.config import load_config_file
 
     run = tmp_path / "run"
     over = ["train.steps=1", "train.batch_size=4", "train.micro_batch_size=4", "data.eval_size=6",
@@ -398,13 +383,21 @@ def test_builtin_smollm2_adapter_export_answers_like_basis_lite_eval_in_stock_pe
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "base"
     assert cli.main(["eval", str(out), "--out", str(tmp_path / "eval.json"), "--set", "model.dtype=float32"]) == 0
     recs = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    _assert_stock_tools_answer_alike(run, out, tmp_path, recs, timeout=900)
+
+
+def _assert_stock_tools_answer_alike(run, out, tmp_path, recs: list, timeout: int) -> None:
+    """Load the export `out` in a fresh interpreter without basis-lite (transformers' AutoPeftModel and plain peft)
+    and check its greedy answers to the eval's prompts are basis-lite eval's (`recs`, eval_samples.jsonl)."""
+    from basis_lite.config import load_config_file
+
     cfg = load_config_file(run / "config.yaml")
     script = tmp_path / "stock_load.py"
     script.write_text(STOCK_LOAD)
     proc = subprocess.run([sys.executable, str(script), str(out), cfg.data.instruction,
                            str(cfg.train.eval_max_new_tokens), str(tmp_path / "eval_samples.jsonl")], cwd=out,
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["basis_lite_imported"] is False
