@@ -1,14 +1,14 @@
 """The RL loop: prompts -> one rollout each -> rewards -> baselines -> policy update, top to bottom.
 
-    run = setup(cfg, run_dir, resume)                   model, engine, optimizer, sampler, prior, ... (a RunState)
-    for step in ...:
-        batch    = next(run.sampler)                      B prompts (seeded, resumable)
-        rollouts = rollout(run, batch)                    G completions per prompt (G = 1 for basis / reinforce_pp)
-        rewards  = score(run, batch, rollouts)            math-verify + format + user functions
-        adv, b   = baselines(run, batch, rollouts, rewards)   the estimator registered under estimator.name
-        stats    = update(run, rollouts, adv, step)       token-level loss, clip, optimizer.step()
-        log, maybe eval, maybe checkpoint
-    finish(run)                                           final eval, adapter, summary.json
+    run = setup(cfg, run_dir, resume)                 model, engine, optimizer, sampler, prior, ... (a RunState)
+    for n in ...:
+        step = rollout_step(run, n)                     B prompts -> G completions each -> rewards, gathered over
+                                                        the ranks into one record (basis_lite.step.Step)
+        step.adv, step.base = baselines(run, step)      the estimator registered under estimator.name
+        stats, ok = update(run, step)                   the policy loss, optimizer.step()
+        log_step(run, bar, step, stats, ok)             metrics.jsonl and the step's line
+        maybe_eval(run, n); maybe_checkpoint(run, n)
+    finish(run)                                         final eval, adapter, summary.json
 
 The estimator is looked up by name in `basis_lite.estimators`; this file never branches on which one it is, only
 on what it says it uses (prompt features, trajectory features, an offline prior, the per-prompt history, a replay
@@ -34,19 +34,20 @@ from .config import Config, save_config, to_dict, validate
 from .data import PromptSampler, format_prompt, load_examples
 from .engines.base import params_from_config
 from .engines.seeded import stream_seed
-from .errors import ConfigError, Interrupted, TrainingAborted
+from .errors import Interrupted, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
-from .estimators.base import explained_variance
 from .estimators.probe import ReplayBuffer
 from .evaluate import evaluate
 from .faults import maybe_kill
 from .metrics import MetricsLog
-from .models import cache_root, count_parameters, peak_memory_mb
+from .models import cache_root, count_parameters
 from .priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
 from .rewards import RewardScorer, column_names, example_columns
+from .run_folder import claim_on_main, interrupt_message
 from .runtime import build_policy, seed_everything, setup_device
-from .safeio import RunLock, atomic_write_text, disk_full_error, held_by_other, is_disk_full, publish_dir
-from .update import OPTIONAL_STEP_METRICS, make_optimizer, make_scheduler, policy_update
+from .safeio import atomic_write_text, disk_full_error, is_disk_full, publish_dir
+from .step import Step
+from .update import make_optimizer, make_scheduler, policy_update
 
 log = logging.getLogger("basis_lite")
 
@@ -92,6 +93,10 @@ class RunState:
     def uses_trajectory(self) -> bool:
         return self.estimator.uses_trajectory
 
+    @property
+    def with_prior(self) -> bool:
+        return self.estimator.with_prior(self.cfg.estimator)
+
 
 def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, progress: bool = True) -> dict:
     """Train to `train.steps` (from the newest intact checkpoint with `resume`); returns the run's summary.
@@ -109,7 +114,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
     ranks = distributed.start(cfg)
     run, lock, created = None, None, False
     try:
-        run_dir, created, lock, done = _claim_on_main(cfg, run_dir, resume, ranks)
+        run_dir, created, lock, done = claim_on_main(cfg, run_dir, resume, ranks)
         if done is not None:
             log.info("%s finished all %d steps already; nothing to resume (summary.json, adapter/)", run_dir,
                      cfg.train.steps)
@@ -117,44 +122,17 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
         run = setup(cfg, run_dir, resume, progress and ranks.is_main, ranks)
         created = False  # from here on the folder holds a run worth keeping
         bar = tqdm(total=cfg.train.steps, initial=run.step, desc="train", disable=not run.progress, unit="step")
-        for step in range(run.step + 1, cfg.train.steps + 1):
-            t_step = time.time()
-            batch = next(run.sampler)  # the global batch: the same on every rank
-            mine = ranks.shard(batch)
-            if run.per_prompt_rng:
-                ranks.seed_step(cfg.train.seed, step)
-            t0 = time.time()
-            rollouts = rollout(run, mine, step, first=ranks.bounds(len(batch))[0])
-            gen_s = time.time() - t0
-            maybe_kill("generation", step)
-            rewards, scored = score(run, mine, rollouts)
-            data = distributed.gather_step(ranks, rewards, rollouts, scored, cfg.estimator.rollouts_per_prompt,
-                                           run.uses_features, gen_s, peak_memory_mb(run.device),
-                                           run.scorer.warning_count, uses_trajectory=run.uses_trajectory)
-            adv, base = baselines(run, batch, rollouts, data.rewards, step, features=data.features,
-                                  trajectory=data.trajectory)
-            t1 = time.time()
-            stats, ok = update(run, rollouts, ranks.shard(adv), step)
-            train_s = time.time() - t1
-            rec = step_record(run, step, data, adv, base, stats, ok, data.generation_s, train_s)
-            if ranks.active:
-                rec.update({"ranks": ranks.world, "gather_wait_s": data.wait_s, "gather_s": data.gather_s,
-                            "gather_bytes": data.gather_bytes, "allreduce_s": ranks.last_allreduce_s,
-                            "allreduce_bytes": ranks.last_allreduce_bytes, "step_s": time.time() - t_step})
-            run.metrics.step(rec)
-            report_step(run, bar, rec)
-            run.step = step
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-                run.metrics.eval(step, run_eval(run, f"eval (step {step})"))
-            if step % cfg.train.save_every == 0 or step == cfg.train.steps:
-                ranks.check_in_sync([p for p in run.model.parameters() if p.requires_grad], run.optimizer)
-                if ranks.is_main:
-                    ckpt.save_checkpoint(run.run_dir, step, run.model, checkpoint_state(run), _config_text(run),
-                                         cfg.train.keep_last)
+        for n in range(run.step + 1, cfg.train.steps + 1):
+            step = rollout_step(run, n)
+            step.adv, step.base = baselines(run, step)
+            stats, ok = update(run, step)
+            log_step(run, bar, step, stats, ok)
+            maybe_eval(run, n)
+            maybe_checkpoint(run, n)
         bar.close()
         return finish(run, t_start)
     except KeyboardInterrupt as e:
-        raise Interrupted(getattr(e, "signal_name", "SIGINT"), _interrupt_message(run_dir, run, e)) from None
+        raise Interrupted(getattr(e, "signal_name", "SIGINT"), interrupt_message(run_dir, run, e)) from None
     finally:
         if run is not None:
             run.metrics.close()
@@ -164,99 +142,6 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
         if lock is not None:
             lock.release()
         ranks.close()
-
-
-def _claim_on_main(cfg: Config, run_dir, resume: bool, ranks: distributed.Ranks):
-    """(run folder, created by this call, RunLock or None, finished summary or None), the same folder on every
-    rank: rank 0 claims and locks it (`claim_run_dir`, `RunLock`) and sends its name; a user error on rank 0 is
-    raised on every rank."""
-    msg: dict = {}
-    folder, created, lock = None, False, None
-    if ranks.is_main:
-        try:
-            folder, created = claim_run_dir(cfg, run_dir, resume)
-            lock = RunLock(folder).acquire()
-            done = finished_summary(folder, cfg) if resume else None
-            msg = {"dir": str(folder), "done": done is not None}
-        except ConfigError as e:
-            msg = {"error": str(e)}
-            if not ranks.active:
-                raise
-            ranks.broadcast_text(json.dumps(msg))
-            raise
-    msg = json.loads(ranks.broadcast_text(json.dumps(msg)))
-    if "error" in msg:
-        raise ConfigError(f"rank 0: {msg['error']}")
-    if ranks.is_main:
-        return folder, created, lock, done
-    return Path(msg["dir"]), False, None, ({"run_dir": msg["dir"]} if msg["done"] else None)
-
-
-def _interrupt_message(run_dir: Path, run, e) -> str:
-    sig = getattr(e, "signal_name", "SIGINT")
-    if run_dir is None:
-        return f"stopped by {sig} before the run folder was chosen; nothing was written"
-    where = f"during step {run.step + 1} of {run.cfg.train.steps}" if run is not None else "while setting up"
-    last = ckpt.latest_checkpoint(run_dir, quiet=True)
-    kept = (f"the checkpoint {last.name} is kept and the steps after it are redone" if last is not None else
-            "there is no checkpoint yet, so resuming starts it again from step 0 with its saved config")
-    return (f"stopped by {sig} {where}; {run_dir}: {kept}. Continue with `basis-lite train --resume {run_dir}`")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the run folder
-
-
-def default_run_dir(cfg: Config) -> Path:
-    name = Path(cfg.preset).stem if cfg.preset else "run"
-    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def claim_run_dir(cfg: Config, run_dir, resume: bool) -> tuple[Path, bool]:
-    """(the run folder, whether this call created it). Without a folder given, `runs/<preset>-<time>` is claimed
-    with an exclusive mkdir (`-2`, `-3`, ... when that name is taken), so two runs started in the same second get
-    two folders. A given folder must not hold another run unless `resume`."""
-    given = run_dir or cfg.output_dir
-    if resume:
-        run_dir = Path(given)
-        if not (run_dir / "config.yaml").is_file():
-            raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a basis-lite run folder?")
-        return run_dir, False
-    if given:
-        run_dir = Path(given)
-        if (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists():
-            holder = held_by_other(run_dir)
-            if holder:
-                raise ConfigError(f"run folder {run_dir} is in use by another basis-lite process ({holder}); "
-                                  f"choose another --output")
-            raise ConfigError(f"output folder {run_dir} already holds a run; pass --resume {run_dir} to continue "
-                              f"it or choose another --output")
-        created = not run_dir.exists()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        return run_dir, created
-    base = default_run_dir(cfg)
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for i in range(1, 1000):
-        cand = base if i == 1 else base.with_name(f"{base.name}-{i}")
-        try:
-            cand.mkdir()
-        except FileExistsError:
-            continue
-        return cand, True
-    raise ConfigError(f"could not find a free run folder name next to {base}; pass --output")
-
-
-def finished_summary(run_dir: Path, cfg: Config) -> dict | None:
-    """The summary of a run that already finished every step (summary.json and the final adapter are written last),
-    else None."""
-    path = run_dir / "summary.json"
-    if not (path.is_file() and (run_dir / "adapter" / "adapter_config.json").is_file()):
-        return None
-    try:
-        summary = json.loads(path.read_text())
-    except ValueError:
-        return None
-    return summary if summary.get("steps") == cfg.train.steps and summary.get("eval_after") else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -313,7 +198,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
             per_prompt_rng=distributed.per_prompt_rng(cfg, ranks))
         if run.estimator.replay_capacity is not None:
             run.replay = ReplayBuffer(run.estimator.replay_capacity(cfg.estimator.options))
-        if run.estimator.uses_prior and cfg.estimator.prior_samples > 0:
+        if run.with_prior and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
         if last is not None:
             restore(run, last)
@@ -392,6 +277,25 @@ def _config_text(run: RunState) -> str:
 # one step
 
 
+def rollout_step(run: RunState, n: int) -> Step:
+    """Step n's record: the global batch drawn, this rank's share generated (its own sampling streams with
+    generation.rng per_prompt) and scored, then gathered over the ranks (one process: the same path)."""
+    started = time.time()
+    batch = next(run.sampler)  # the global batch: the same on every rank
+    ranks = run.ranks
+    mine = ranks.shard(batch)
+    if run.per_prompt_rng:
+        ranks.seed_step(run.cfg.train.seed, n)
+    t0 = time.time()
+    rollouts = rollout(run, mine, n, first=ranks.bounds(len(batch))[0])
+    gen_s = time.time() - t0
+    maybe_kill("generation", n)
+    rewards, scored = score(run, mine, rollouts)
+    return Step.of_rank(n, batch, mine, rollouts, rewards, scored, uses_features=run.uses_features,
+                        uses_trajectory=run.uses_trajectory, generation_s=gen_s,
+                        reward_warnings=run.scorer.warning_count, started=started).gathered(ranks)
+
+
 def rollout(run: RunState, batch, step: int = 0, first: int = 0) -> list:
     """G completions per prompt from the engine, with the current adapter pushed to it first.
 
@@ -421,50 +325,50 @@ def score(run: RunState, batch, rollouts):
     return torch.tensor(scored.total, dtype=torch.float32).view(len(batch), G), scored
 
 
-def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor, step: int = 0,
-              features: torch.Tensor | None = None, trajectory: torch.Tensor | None = None):
-    """(advantages [B, G], baselines [B, G]) from the configured estimator, with the side information it uses.
-
-    `features` [B, D] and `trajectory` [B, G, D'] replace the rollouts' own (the training loop passes those of the
-    global batch). The per-prompt history and the replay buffer get this batch only after the baselines are
-    computed."""
+def baselines(run: RunState, step: Step):
+    """(advantages [B, G], baselines [B, G]) of the step's global batch from the configured estimator, with the
+    side information it uses (the step's features and trajectories, the prior, the history, the replay buffer).
+    The per-prompt history and the replay buffer get this batch only after the baselines are computed."""
     est, G = run.cfg.estimator, run.cfg.estimator.rollouts_per_prompt
-    ids = [ex.id for ex in batch]
-    prior = None
-    if run.estimator.uses_prior or run.uses_history:
-        prior = prior_values(ids, run.prior_table, run.history if run.uses_history else None)
-    if features is None:
-        features = distributed.local_features(rollouts, len(batch), G, run.uses_features)
-    if trajectory is None:
-        trajectory = distributed.local_trajectory(rollouts, len(batch), G, run.uses_trajectory)
-    ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=features, history=run.history,
-                           trajectory_features=trajectory, replay=run.replay, options=est.options,
+    ids = [ex.id for ex in step.batch]
+    prior = prior_values(ids, run.prior_table, run.history if run.uses_history else None) if run.with_prior else None
+    ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=step.features, history=run.history,
+                           trajectory_features=step.trajectory, replay=run.replay, options=est.options,
                            normalize=est.normalize)
-    adv, base = run.estimator.compute(rewards, ctx)
+    adv, base = run.estimator.compute(step.rewards, ctx)
     if run.uses_history:  # after the baselines: a prompt's history never holds its current reward
-        for ex, row in zip(batch, rewards):
+        for ex, row in zip(step.batch, step.rewards):
             h = run.history.setdefault(ex.id, [0, 0])
             h[0] += int(round(float(row.sum())))
             h[1] += G
     if run.replay is not None:
-        run.replay.add(step, ids, rewards, features, trajectory)
+        run.replay.add(step.n, ids, step.rewards, step.features, step.trajectory)
     return adv, base
 
 
-def update(run: RunState, rollouts, adv: torch.Tensor, step: int):
-    """One optimizer step; a non-finite loss skips it, `train.max_bad_steps` of them in a row abort the run.
+def update(run: RunState, step: Step):
+    """One optimizer step on this rank's rollouts and advantages (timed into `step.training_s`); a non-finite loss
+    skips it, `train.max_bad_steps` of them in a row abort the run.
 
     stats["update_norm"] is the L2 norm of the change of the trainable weights over the step (0 when no update
     happened: every advantage 0, a skipped step, or an optimizer step that moved nothing)."""
-    cfg = run.cfg
+    t0 = time.time()
+    try:
+        return _update(run, step)
+    finally:
+        step.training_s = time.time() - t0
+
+
+def _update(run: RunState, step: Step):
+    cfg, n = run.cfg, step.n
     params = [p for p in run.model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     try:
-        stats, ok = policy_update(cfg, run.model, run.optimizer, rollouts, adv.reshape(-1), run.tok.pad_token_id,
-                                  run.device, step, run.scaler, ranks=run.ranks)
+        stats, ok = policy_update(cfg, run.model, run.optimizer, step.rollouts, step.adv_mine(run.ranks),
+                                  run.tok.pad_token_id, run.device, n, run.scaler, ranks=run.ranks)
     except torch.OutOfMemoryError:
         raise TrainingAborted(
-            f"CUDA out of memory at step {step} with train.micro_batch_size={cfg.train.micro_batch_size}; "
+            f"CUDA out of memory at step {n} with train.micro_batch_size={cfg.train.micro_batch_size}; "
             f"try --set train.micro_batch_size={max(1, cfg.train.micro_batch_size // 2)} (gradient "
             f"accumulation keeps the same effective batch) or a smaller generation.max_new_tokens") from None
     with torch.no_grad():
@@ -479,36 +383,36 @@ def update(run: RunState, rollouts, adv: torch.Tensor, step: int):
         return stats, ok
     run.bad_steps += 1
     log.warning("step %d: non-finite loss or gradient (loss=%s, grad_norm=%s); step skipped (%d in a row, "
-                "abort at %d)", step, stats["loss"], stats["grad_norm"], run.bad_steps, cfg.train.max_bad_steps)
+                "abort at %d)", n, stats["loss"], stats["grad_norm"], run.bad_steps, cfg.train.max_bad_steps)
     if run.bad_steps >= cfg.train.max_bad_steps:
-        raise TrainingAborted(f"{run.bad_steps} non-finite losses in a row at step {step}; lower train.lr "
+        raise TrainingAborted(f"{run.bad_steps} non-finite losses in a row at step {n}; lower train.lr "
                               f"(now {cfg.train.lr}) or check the reward function. The last good checkpoint is in "
                               f"{run.run_dir / 'checkpoints'}")
     return stats, ok
 
 
-def step_record(run: RunState, step, data: distributed.StepData, adv, base, stats, ok, gen_s, train_s) -> dict:
-    """The metrics.jsonl line of one step, over the global batch."""
-    rewards = data.rewards
-    r_flat = rewards.view(-1)
-    comp_tokens = sum(data.completion_lens)
-    return {
-        "step": step, "reward_mean": r_flat.mean().item(), "accuracy": sum(data.correct) / len(data.correct),
-        "format_rate": sum(data.format) / len(data.format), "baseline_mean": base.mean().item(),
-        "advantage_std": adv.std().item() if adv.numel() > 1 else 0.0,
-        "explained_variance": explained_variance(rewards, base), "kl": stats["kl"], "entropy": stats["entropy"],
-        "completion_len": comp_tokens / len(data.completion_lens), "loss": stats["loss"],
-        "grad_norm": stats["grad_norm"], "clip_fraction": stats["clip_fraction"],
-        "lr": run.optimizer.param_groups[0]["lr"], "generation_s": gen_s, "training_s": train_s,
-        "tokens_per_s": comp_tokens / max(1e-9, gen_s + train_s),
-        "peak_memory_mb": max(data.peak_memory_mb, peak_memory_mb(run.device)),
-        "reward_warnings": data.reward_warnings, "skipped": not ok,
-        "trained_sequences": stats.get("trained_sequences"), "update_norm": stats["update_norm"],
-        "zero_update": stats["update_norm"] == 0.0,
-        **{k: stats[k] for k in OPTIONAL_STEP_METRICS if k in stats},
-        **({"trajectory_feature_s": getattr(run.engine, "trajectory_seconds", 0.0)} if run.uses_trajectory else {}),
-        **({"replay_rows": run.replay.rows} if run.replay is not None else {}),
-    }
+def log_step(run: RunState, bar, step: Step, stats: dict, ok: bool) -> None:
+    """The step's metrics.jsonl line and its one-line report; the step counts as done from here."""
+    rec = step.metrics(run, stats, ok)
+    run.metrics.step(rec)
+    report_step(run, bar, rec)
+    run.step = step.n
+
+
+def maybe_eval(run: RunState, n: int) -> None:
+    every = run.cfg.train.eval_every
+    if every and n % every == 0 and n < run.cfg.train.steps:
+        run.metrics.eval(n, run_eval(run, f"eval (step {n})"))
+
+
+def maybe_checkpoint(run: RunState, n: int) -> None:
+    """Every train.save_every steps and at the last: the ranks checked in sync, rank 0 writes the checkpoint."""
+    cfg = run.cfg
+    if n % cfg.train.save_every == 0 or n == cfg.train.steps:
+        run.ranks.check_in_sync([p for p in run.model.parameters() if p.requires_grad], run.optimizer)
+        if run.ranks.is_main:
+            ckpt.save_checkpoint(run.run_dir, n, run.model, checkpoint_state(run), _config_text(run),
+                                 cfg.train.keep_last)
 
 
 def step_line(rec: dict) -> str:

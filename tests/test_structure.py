@@ -11,7 +11,8 @@ PKG = Path(__file__).resolve().parent.parent / "basis_lite"
 # Layers, lowest first: a module may import its own layer and the ones below, never one above.
 LAYERS = [
     # contracts and helpers that import nothing of the package's but each other
-    {"errors", "faults", "safeio", "downloads", "data.tasks", "data.example", "answers", "trajectory_layout", "_llama_convert"},
+    {"errors", "faults", "safeio", "downloads", "data.tasks", "data.example", "answers", "trajectory_layout", "_llama_convert",
+     "config_fields"},
     # torch-free configuration: estimator and loss specs, the config tree
     {"estimators", "estimators.basis_options", "estimators.probe_options", "loss_specs", "config"},
     # numerics: losses, estimators' functions, data, rewards
@@ -20,7 +21,7 @@ LAYERS = [
      "rewards", "reward_worker", "eapo", "metrics", "plot"},
     # model loading, engines, distributed, updates, checkpoints, export
     {"models", "unsloth_backend", "engines", "engines.base", "engines.hf", "engines.seeded", "engines.trajectory",
-     "engines.vllm", "distributed", "update", "checkpoint", "plan", "export_check"},
+     "engines.vllm", "distributed", "update", "checkpoint", "plan", "export_check", "step", "run_folder"},
     # assembly
     {"runtime", "evaluate", "priors", "runs", "trainer", "export", "gguf_export"},
     {"cli", "__main__", "__init__"},
