@@ -4,7 +4,7 @@ Marker `gguf` (deselected by default; CI runs `pytest -m "gguf and not slow"` as
 first export fetches llama.cpp's converter (the pinned llama-cpp-python source distribution, through `pip download`,
 which prepares the sdist's metadata in an isolated build environment) into this session's throw-away cache, and needs
 `sentencepiece` (in the `test` and `gguf` extras). The built-in SmolLM2 test is marked `slow` as well (it fetches and
-converts the built-in model and trains 2 steps; durations are in the README's Tests section).
+converts the built-in model and trains 2 steps; durations are in docs/testing.md).
 
 What is checked, on a smoke run (tiny random model) whose adapter is perturbed so that it changes the logits
 clearly, as in tests/test_export.py:

@@ -14,7 +14,7 @@ sums and exclusive prefix/suffix sums, never "total minus own term"): the indepe
 The BASIS paper published no code or equations (see ``docs/papers.md``); this is our own reconstruction. The
 defaults (fixed bandwidth and shrinkage, calibration by a logit shift, no BLUE pooling, the kernel mean shrunk
 toward the calibrated prior) were chosen with bench/value_mse.py; the measurements are in
-bench/results/value_mse.md, and the README says where single-rollout baselines fall short.
+bench/results/value_mse.md, and docs/results.md says where single-rollout baselines fall short.
 """
 from __future__ import annotations
 
