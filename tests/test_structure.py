@@ -14,7 +14,7 @@ LAYERS = [
     {"errors", "faults", "safeio", "downloads", "data.tasks", "data.example", "answers", "trajectory_layout", "_llama_convert",
      "config_fields"},
     # torch-free configuration: estimator and loss specs, the config tree
-    {"estimators", "estimators.basis_options", "estimators.probe_options", "loss_specs", "config"},
+    {"estimators", "estimators.basis_options", "estimators.probe_options", "loss_specs", "config_keys", "config"},
     # numerics: losses, estimators' functions, data, rewards
     {"losses", "estimators.base", "estimators.simple", "estimators.basis_blocks", "estimators.basis",
      "estimators.probe", "estimators.poise", "data", "data.example", "data.loading", "data.prompts", "data.sampler",
