@@ -112,6 +112,17 @@ def gold_is_parseable(gold: str) -> bool:
     return any(not isinstance(x, str) for x in _parse_gold_cached(str(gold)))
 
 
+def extracted_answer(completion: str, require_boxed: bool = True) -> str | None:
+    """The answer the correctness check reads in a completion: the last non-empty \\boxed{} content (with
+    `require_boxed`), else math-verify's reading of the whole text (its last number when nothing is boxed); None
+    when there is none."""
+    if require_boxed:
+        box = last_nonempty_boxed(completion)
+        return None if box is None else box.strip()
+    parsed = _parse(completion or "")
+    return str(parsed[-1]) if parsed else None
+
+
 def correctness(completion: str, gold: str, require_boxed: bool = True) -> float:
     """1.0 when math-verify finds the completion's answer equal to `gold`, else 0.0.
 

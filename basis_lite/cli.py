@@ -3,7 +3,7 @@
 
     basis-lite train   [--preset NAME_OR_PATH] [--set key=value ...] [--output DIR] [--resume RUN_DIR]
     torchrun --nproc_per_node N -m basis_lite train ...    the same on N data-parallel ranks (README)
-    basis-lite eval    RUN_DIR_OR_ADAPTER [--dataset NAME_OR_FILE] [--samples K] [--limit N] [--base] [--out FILE]
+    basis-lite eval    RUN_DIR_OR_ADAPTER [--dataset NAME_OR_FILE] [--samples K] [--limit N] [--base] [--out FILE] [--show-misses N]
     basis-lite export  RUN_DIR --out DIR [--merged] [--dtype bfloat16|float16] [--gguf f16|q8_0] [--tolerance T]
     basis-lite prior   [--preset ...] [--set ...]       precompute the BASIS reference prior (cached)
     basis-lite plan    [--preset ...] [--gpu-memory GiB] [--gpus N] [--all]   memory estimate by part
@@ -86,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N held-out problems")
     p.add_argument("--base", action="store_true", help="evaluate the base model (adapter disabled) instead")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--out", default=None, help="JSON file for the results (default RUN_DIR/eval.json)")
+    p.add_argument("--out", default=None, help="JSON file for the results (default RUN_DIR/eval.json); the "
+                   "per-problem samples go beside it (eval_samples.jsonl)")
+    p.add_argument("--show-misses", type=int, default=0, metavar="N",
+                   help="print up to N problems the greedy answer got wrong (question, gold, extracted, completion)")
 
     p = sub.add_parser("export", help="save the adapter alone, a merged 16-bit model or a GGUF (checks itself)")
     p.add_argument("run_dir", help="a run folder (or an adapter folder)")
@@ -199,12 +202,17 @@ def cmd_prior(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from basis_lite.runs import evaluate_run, format_eval_table
+    from basis_lite.errors import ConfigError
+    from basis_lite.runs import evaluate_run, format_eval_table, format_misses
 
+    if args.show_misses < 0:
+        raise ConfigError(f"--show-misses: expected N >= 0, got {args.show_misses}")
     result = evaluate_run(args.target, dataset=args.dataset, samples=args.samples, limit=args.limit, base=args.base,
                           overrides=args.overrides, out=args.out)
     print(format_eval_table(result))
-    print(f"results written to {result['out']}")
+    if args.show_misses:
+        print(format_misses(result["records"], args.show_misses))
+    print(f"results written to {result['out']} (per problem: {result['samples_file']})")
     return 0
 
 

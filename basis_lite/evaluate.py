@@ -6,9 +6,9 @@ from collections import defaultdict
 
 from tqdm.auto import tqdm
 
+from .answers import correctness, extracted_answer
 from .data import format_prompt
 from .engines.base import SamplingParams
-from .rewards import correctness
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -20,20 +20,26 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(engine, tokenizer, examples, data_cfg, max_new_tokens: int = 64, require_boxed: bool = True,
              samples: int = 0, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 64,
-             progress: bool = True, desc: str = "eval") -> dict:
+             progress: bool = True, desc: str = "eval", records: list | None = None) -> dict:
     """Greedy accuracy (pass@1) on `examples`; with `samples` = k > 0 also sampled pass@1 and pass@k.
 
     Returns {"accuracy", "n", "by_level": {level: {"accuracy", "n"}}, ["pass@1_sampled", "pass@k", "k"]};
-    "accuracy" is None when `examples` is empty.
+    "accuracy" is None when `examples` is empty. With a `records` list, one dict per problem is appended to it
+    (the greedy answer): id, prompt (as the dataset gives it), prompt_text (as the model saw it), completion,
+    extracted (the answer the check read, or None), gold, correct (bool), level (None where unknown).
     """
-    prompts = [format_prompt(tokenizer, ex.question, data_cfg) for ex in examples]
+    prompts = [format_prompt(tokenizer, ex.prompt, data_cfg) for ex in examples]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     correct = []
     bar = tqdm(total=len(prompts), desc=desc, disable=not progress, leave=False)
     for i in range(0, len(prompts), batch_size):
         rolls = engine.generate(prompts[i:i + batch_size], greedy, with_features=False)
-        for ex, r in zip(examples[i:i + batch_size], rolls):
+        for j, (ex, r) in enumerate(zip(examples[i:i + batch_size], rolls)):
             correct.append(correctness(r.text, ex.answer, require_boxed=require_boxed))
+            if records is not None:
+                records.append({"id": ex.id, "prompt": ex.prompt, "prompt_text": prompts[i + j],
+                                "completion": r.text, "extracted": extracted_answer(r.text, require_boxed),
+                                "gold": ex.answer, "correct": bool(correct[-1]), "level": ex.meta.get("level")})
         bar.update(len(rolls))
     bar.close()
     # no examples: no accuracy (None), never a 0.000 that reads like a measured one

@@ -143,25 +143,55 @@ def _load_base_tokenizer(base_path: str, cfg: Config | None = None):
     return tok
 
 
+BASE_DIR = "base"  # the built-in base model's folder inside an adapter export
+
+
 def _portable_adapter_config(src: Path, dst: Path, name: str) -> None:
-    """adapter_config.json with `base_model_name_or_path` set to the run's model.name (adapters of older runs hold
-    the absolute folder the base was loaded from on the training machine); every other key unchanged."""
+    """adapter_config.json with `base_model_name_or_path` set to `name`: the run's model.name, or for a built-in
+    base the export's own `base` folder (adapters of older runs hold the absolute folder the base was loaded from
+    on the training machine); every other key unchanged."""
     spec = json.loads(src.read_text())
     spec["base_model_name_or_path"] = name
     dst.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
 
 
+def carries_base(cfg: Config) -> bool:
+    """A built-in base exists only in basis-lite's cache (SmolLM2 dequantised from a Q4_1 GGUF, not the hub's
+    weights): an adapter export carries it, so that stock loaders find it."""
+    return cfg.model.name.startswith("builtin:")
+
+
+def _copy_base(base_path: str, dst: Path, tok) -> list[str]:
+    """The built-in base's model files (config, weights as stored, generation config) into `dst`, with the
+    tokenizer and the training chat template; each copy verified."""
+    dst.mkdir()
+    names = []
+    for p in sorted(Path(base_path).iterdir()):
+        if p.is_file() and (p.suffix == ".safetensors" or p.name in ("config.json", "generation_config.json")
+                            or p.name.endswith(".safetensors.index.json")):
+            shutil.copyfile(p, dst / p.name)
+            if sha256_file(p) != sha256_file(dst / p.name):
+                raise ModelError(f"copy of {p} to {dst / p.name} differs from the original; disk problem?")
+            names.append(p.name)
+    tok.save_pretrained(dst)
+    return names
+
+
 def export_adapter(cfg: Config, target: Target, out: Path) -> dict:
-    """Copy the adapter (byte-identical, verified) with the base tokenizer and a README into `out`."""
+    """Copy the adapter (byte-identical, verified) with the base tokenizer and a README into `out`; for a built-in
+    base also the base model itself into `out`/base, named by adapter_config.json (see `carries_base`)."""
     src = target.adapter
     files = [p for p in sorted(src.iterdir()) if p.is_file() and p.name not in ADAPTER_FILES_SKIPPED]
     base_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
     tok = _load_base_tokenizer(base_path, cfg)
-    need_space(out, sum(p.stat().st_size for p in files) + (32 << 20))
+    with_base = carries_base(cfg)
+    base_bytes = sum(p.stat().st_size for p in Path(base_path).iterdir() if p.is_file()) if with_base else 0
+    need_space(out, sum(p.stat().st_size for p in files) + base_bytes + (32 << 20))
     with Staging(out) as tmp:
+        base_files = _copy_base(base_path, tmp / BASE_DIR, tok) if with_base else []
         for p in files:
             if p.name == "adapter_config.json":
-                _portable_adapter_config(p, tmp / p.name, cfg.model.name)
+                _portable_adapter_config(p, tmp / p.name, BASE_DIR if with_base else cfg.model.name)
                 continue
             shutil.copy2(p, tmp / p.name)
             if sha256_file(p) != sha256_file(tmp / p.name):
@@ -170,7 +200,8 @@ def export_adapter(cfg: Config, target: Target, out: Path) -> dict:
             save_config(cfg, tmp / ADAPTER_RUN_CONFIG)
         tok.save_pretrained(tmp)
         report = {"kind": "adapter", "adapter": str(src), "base_model": cfg.model.name, "base_path": base_path,
-                  "files": [p.name for p in files], "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                  "files": [p.name for p in files], "base_dir": BASE_DIR if with_base else None,
+                  "base_files": base_files, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=2) + "\n")
         (tmp / "README.md").write_text(_adapter_readme(cfg, target, out, base_path))
     return report
@@ -358,14 +389,25 @@ def _prompt_note(cfg: Config) -> str:
             f"question plus the instruction as the user message.")
 
 
-def _base_loader(cfg: Config) -> str:
+def _base_loader(cfg: Config, out: Path) -> str:
     """The line of a README snippet that loads the base model named in adapter_config.json."""
+    if carries_base(cfg):
+        return f"base = AutoModelForCausalLM.from_pretrained(\"{out / BASE_DIR}\", dtype=\"auto\")"
+    return f"base = AutoModelForCausalLM.from_pretrained({cfg.model.name!r}, dtype=\"auto\")"
+
+
+def _base_note(cfg: Config) -> str:
     name = cfg.model.name
-    if name.startswith("builtin:"):
-        return (f"from basis_lite.models import resolve_model_path  # {name} -> its local folder (fetched and "
-                f"converted once)\n\nbase = AutoModelForCausalLM.from_pretrained(resolve_model_path({name!r}), "
-                f"dtype=\"auto\")")
-    return f"base = AutoModelForCausalLM.from_pretrained({name!r}, dtype=\"auto\")"
+    if carries_base(cfg):
+        return (f"The base is the built-in `{name}`, which exists only in basis-lite's cache (not the hub's "
+                f"weights), so it is included: `{BASE_DIR}/` holds it as a plain transformers folder (weights as "
+                f"trained over, tokenizer with the training chat template), and `base_model_name_or_path` in "
+                f"adapter_config.json is `{BASE_DIR}`, a path relative to the working directory: "
+                f"`AutoPeftModelForCausalLM.from_pretrained(\".\")` works from inside this folder; from anywhere "
+                f"else load `{BASE_DIR}/` first, as below. vLLM: `LLM(model=\"<this folder>/{BASE_DIR}\", "
+                f"enable_lora=True)` with `LoRARequest(\"adapter\", 1, \"<this folder>\")`.")
+    return (f"`base_model_name_or_path` in adapter_config.json is the run's `model.name`, `{name}`: a hub id or "
+            f"folder that loads as it is.")
 
 
 def _generate_snippet(cfg: Config, out: Path) -> str:
@@ -385,8 +427,7 @@ def _adapter_readme(cfg: Config, target: Target, out: Path, base_path: str) -> s
 
 This folder holds the adapter in peft format (`adapter_config.json`, `adapter_model.safetensors`), the base
 model's tokenizer with the chat template training used, and the basis-lite run config (`{ADAPTER_RUN_CONFIG}`).
-`base_model_name_or_path` in adapter_config.json is the run's `model.name`, `{cfg.model.name}`: a hub id or folder
-loads as it is; a `builtin:` name is resolved to its local folder by `basis_lite.models.resolve_model_path`.
+{_base_note(cfg)}
 
 ## Load
 
@@ -394,7 +435,7 @@ loads as it is; a `builtin:` name is resolved to its local folder by `basis_lite
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-{_base_loader(cfg)}
+{_base_loader(cfg, out)}
 model = PeftModel.from_pretrained(base, "{out}")
 {_generate_snippet(cfg, out)}
 ```

@@ -15,7 +15,7 @@ import torch
 
 from .config import Config
 from .errors import ConfigError, DiskFullError
-from .safeio import fsync_dir, fsync_tree
+from .safeio import fsync_dir, fsync_tree, open_file_modes
 
 log = logging.getLogger("basis_lite")
 
@@ -70,6 +70,7 @@ class Staging:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:  # publish: the temp folder becomes `out`
             try:
+                open_file_modes(self.tmp)  # weights 0644 like every other file (safetensors writes 0600)
                 fsync_tree(self.tmp)
                 check_destination(self.out)  # another process may have filled it meanwhile
                 if self.out.exists():

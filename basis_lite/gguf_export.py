@@ -137,11 +137,14 @@ def check_converter_requirements() -> None:
                           f"pip install 'basis-lite[gguf]'")
 
 
-def convert(converter: Path, model_dir: Path, outfile: Path, gguf_type: str) -> str:
-    """Run llama.cpp's converter on a transformers model folder; returns its log. ModelError when it fails."""
+def convert(converter: Path, model_dir: Path, outfile: Path, gguf_type: str, model_name: str | None = None) -> str:
+    """Run llama.cpp's converter on a transformers model folder; returns its log. ModelError when it fails.
+    `model_name` becomes the GGUF's general.name (the converter otherwise takes the folder's name)."""
     driver = Path(__file__).with_name("_llama_convert.py")
     cmd = [sys.executable, str(driver), str(converter), str(model_dir), "--outfile", str(outfile),
            "--outtype", gguf_type]
+    if model_name:
+        cmd += ["--model-name", model_name]
     t0 = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True)
     text = (res.stdout or "") + (res.stderr or "")
@@ -181,8 +184,8 @@ def self_check(merged_dir: Path, folder: Path, gguf_name: str, cfg: Config, gguf
 
     from .models import gguf_metadata
 
-    meta = gguf_metadata(folder / gguf_name, ["general.file_type", "tokenizer.ggml.model", "tokenizer.ggml.pre",
-                                              "tokenizer.chat_template"])
+    meta = gguf_metadata(folder / gguf_name, ["general.file_type", "general.name", "tokenizer.ggml.model",
+                                              "tokenizer.ggml.pre", "tokenizer.chat_template"])
     if meta.get("general.file_type") != GGUF_FILE_TYPE[gguf_type]:
         raise ModelError(f"GGUF self-check FAILED: the file's type is {meta.get('general.file_type')}, expected "
                          f"{GGUF_FILE_TYPE[gguf_type]} ({gguf_type})")
@@ -217,7 +220,8 @@ def self_check(merged_dir: Path, folder: Path, gguf_name: str, cfg: Config, gguf
              f"({ROUNDING_FACTOR}*u + 2^-13) * max|logit|, u={GGUF_TYPES[gguf_type]:.3g} ({gguf_type})",
              "max_abs_logit": scale, "argmax_agreement": same / positions, "prompts": len(ids),
              "positions": positions, "tokenization_texts": len(texts) + len(PROBE_TEXTS),
-             "tokenizer_model": meta.get("tokenizer.ggml.model"), "tokenizer_pre": meta.get("tokenizer.ggml.pre")}
+             "tokenizer_model": meta.get("tokenizer.ggml.model"), "tokenizer_pre": meta.get("tokenizer.ggml.pre"),
+             "general_name": meta.get("general.name")}
     if not diff <= tol:
         raise ModelError(f"GGUF self-check FAILED: the {gguf_type} GGUF's logits differ from the merged float32 "
                          f"model's by up to {diff:.4g} (tolerance {tol:.3g}, max |logit| {scale:.3g}; argmax agrees "
@@ -231,8 +235,21 @@ def self_check(merged_dir: Path, folder: Path, gguf_name: str, cfg: Config, gguf
 # Ollama
 
 
+def gguf_model_name(cfg: Config, target: Target) -> str:
+    """general.name of the GGUF: the run folder's name, or for an adapter folder outside a run, the base model's
+    name with "-basis-lite"."""
+    if (target.run_dir / "config.yaml").is_file():
+        return target.run_dir.name
+    return cfg.model.name.replace("builtin:", "").rstrip("/").rsplit("/", 1)[-1] + "-basis-lite"
+
+
 def ollama_modelfile(cfg: Config, tok, gguf_name: str) -> str | None:
-    """A Modelfile whose Go template renders the training prompt, when that prompt is ChatML; None otherwise."""
+    """A Modelfile whose Go template renders the training prompt, when that prompt is ChatML; None otherwise.
+
+    Sampling is greedy (temperature 0), as `basis-lite eval` scores the model, so `ollama run` gives the answers
+    eval_samples.jsonl holds (up to the GGUF's rounding) instead of Ollama's default sampling; the training
+    temperature and top_p are written as a comment to switch to. num_ctx is model.max_seq_length (prompt +
+    completion in training); the stop tokens are <|im_end|> and the tokenizer's end-of-sequence token."""
     from .data import format_prompt
 
     system = (cfg.data.system_prompt or "").strip()
@@ -255,7 +272,16 @@ def ollama_modelfile(cfg: Config, tok, gguf_name: str) -> str | None:
     ]
     if system:
         lines.append(f'SYSTEM """{system}"""')
-    lines += ['PARAMETER stop "<|im_end|>"', ""]
+    g = cfg.generation
+    lines += [f"# Greedy, as `basis-lite eval` scores the model. Training sampled at temperature {g.temperature:g}, "
+              f"top_p {g.top_p:g}: set those to sample as training did",
+              "PARAMETER temperature 0",
+              f"PARAMETER num_ctx {int(cfg.model.max_seq_length)}"]
+    stops = ["<|im_end|>"]
+    eos = getattr(tok, "eos_token", None)
+    if isinstance(eos, str) and eos and eos not in stops and '"' not in eos:
+        stops.append(eos)
+    lines += [f'PARAMETER stop "{t}"' for t in stops] + [""]
     return "\n".join(lines)
 
 
@@ -284,13 +310,17 @@ def export_gguf(cfg: Config, target: Target, out: Path, gguf_type: str = "q8_0",
         template = tok.chat_template
         gguf_name = f"model-{gguf_type}.gguf"
         with Staging(out) as tmp:
-            convert(converter, merged_dir, tmp / gguf_name, gguf_type)
+            model_name = gguf_model_name(cfg, target)
+            convert(converter, merged_dir, tmp / gguf_name, gguf_type, model_name)
             check = self_check(merged_dir, tmp, gguf_name, cfg, gguf_type, tolerance, template)
             (tmp / "chat_template.jinja").write_text(template)
             modelfile = ollama_modelfile(cfg, tok, gguf_name)
             if modelfile:
                 (tmp / "Modelfile").write_text(modelfile)
             save_config(cfg, tmp / ADAPTER_RUN_CONFIG)
+            if check["general_name"] != model_name:
+                raise ModelError(f"GGUF self-check FAILED: general.name is {check['general_name']!r}, expected "
+                                 f"{model_name!r}")
             report = {"kind": "gguf", "gguf_type": gguf_type, "file": gguf_name, "adapter": str(target.adapter),
                       "base_model": cfg.model.name, "converter": LLAMA_CPP_SDIST.requirement, "check": check,
                       "merge_check": merged["check"], "modelfile": bool(modelfile),

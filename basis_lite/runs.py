@@ -14,7 +14,9 @@ to it). The run's own config decides the model, the held-out split and the gener
 loaded transformers model (generation.engine=hf, model.backend=hf unless `overrides` say otherwise). With
 `base=True` it evaluates the same loaded model with the adapter disabled (`model.disable_adapter()`), so a
 before/after comparison runs on exactly the same weights, prompts and settings. Results go to RUN_DIR/eval.json
-(RUN_DIR/eval_base.json with `base`) unless `out` says otherwise; `format_eval_table` renders them. Nothing here
+(RUN_DIR/eval_base.json with `base`) unless `out` says otherwise, and one line per problem (prompt, completion,
+extracted answer, gold, correct, level) to eval_samples.jsonl beside it (`samples_path_for`); `format_eval_table`
+renders the aggregates, `format_misses` the problems missed. Nothing here
 prints but the progress bar; importing this module does not import torch.
 """
 from __future__ import annotations
@@ -189,11 +191,13 @@ def evaluate_run(target: str | Path, dataset: str | None = None, samples: int = 
     model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(tgt.adapter) if tgt.adapter else None)
     seed_everything(cfg.train.seed)
     temperature = cfg.generation.temperature if cfg.generation.temperature > 0 else 1.0
+    records: list[dict] = []
     with model.disable_adapter() if base else contextlib.nullcontext():
         res = evaluate(engine, tok, examples, cfg.data, max_new_tokens=cfg.train.eval_max_new_tokens,
                        require_boxed=cfg.reward.require_boxed, samples=samples, temperature=temperature,
                        top_p=cfg.generation.top_p, batch_size=cfg.train.eval_batch_size,
-                       progress=True, desc="eval (base)" if base else "eval")
+                       progress=True, desc="eval (base)" if base else "eval", records=records)
+    samples_path = samples_path_for(out_path)
     result = {
         **res,
         "target": str(tgt.path),
@@ -208,16 +212,40 @@ def evaluate_run(target: str | Path, dataset: str | None = None, samples: int = 
         "max_new_tokens": cfg.train.eval_max_new_tokens,
         "seconds": round(time.time() - t0, 2),
     }
+    result["samples_file"] = str(samples_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2, default=float) + "\n")
-    tmp.replace(out_path)
+    for path, text in ((samples_path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)),
+                       (out_path, json.dumps(result, indent=2, default=float) + "\n")):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
     del model, engine
     if device.type == "cuda":
         import torch
 
         torch.cuda.empty_cache()
-    return {**result, "out": str(out_path)}
+    return {**result, "out": str(out_path), "records": records}
+
+
+def samples_path_for(out_path: Path) -> Path:
+    """The per-problem JSONL written beside an eval JSON: eval.json -> eval_samples.jsonl."""
+    return out_path.with_name(f"{out_path.stem}_samples.jsonl")
+
+
+def format_misses(records: list[dict], n: int, width: int = 300) -> str:
+    """Up to `n` problems the greedy answer got wrong: question, gold, the extracted answer and the completion."""
+    misses = [r for r in records if not r["correct"]]
+    lines = [f"{len(misses)} of {len(records)} problems missed" + (f"; the first {n}:" if misses and n else "")]
+    for r in misses[:n]:
+        prompt = r["prompt"]
+        question = prompt if isinstance(prompt, str) else next(
+            (m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
+        completion = r["completion"] if len(r["completion"]) <= width else r["completion"][:width] + "..."
+        level = "" if r.get("level") is None else f" (level {r['level']})"
+        lines += [f"- {r['id']}{level}: {question.strip()[:width]}",
+                  f"  gold {r['gold']!r}, extracted {r['extracted']!r}",
+                  "  completion: " + completion.replace("\n", "\n              ")]
+    return "\n".join(lines)
 
 
 def _fmt(x) -> str:

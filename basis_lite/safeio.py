@@ -4,6 +4,7 @@ readers, paths that stay inside a folder, and a pickle-free format for nested st
     sha256_file(path)                       hex sha256, read in chunks
     atomic_write_text(path, text) / atomic_write_bytes(path, data)   temp file + fsync + rename + fsync of the folder
     publish_dir(tmp, final)                 fsync a finished folder, then rename it into place (replacing `final`)
+    open_file_modes(folder)                 files below `folder` get the umask's mode (0644 by default), not 0600
     is_disk_full(exc, path)                 ENOSPC/EDQUOT, whichever layer raised it (also re-wrapped by C++ code)
     RunLock(run_dir).acquire()              exclusive flock on RUN_DIR/.lock; a second writer gets ConfigError
     pin_fd(path)                            a shared flock that keeps a checkpoint from being pruned while read
@@ -94,9 +95,25 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def open_file_modes(folder: str | os.PathLike) -> None:
+    """Give every file below `folder` the mode a plain open() gets under the current umask (0644 with umask 022),
+    and `folder` and its subfolders the mode of a plain mkdir (0755). safetensors writes its files through a private
+    temporary file, so weights came out 0600 beside 0644 files (and mkdtemp folders are 0700)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
+
+
 def publish_dir(tmp: Path, final: Path) -> None:
     """fsync the finished folder `tmp` and rename it to `final`; an existing `final` is replaced only after the new
-    folder is complete on disk (moved aside, then removed), so a crash leaves one whole version under some name."""
+    folder is complete on disk (moved aside, then removed), so a crash leaves one whole version under some name.
+    Its files get the umask's mode (`open_file_modes`)."""
+    open_file_modes(tmp)
     fsync_tree(tmp)
     old = final.with_name(f".old-{final.name}-{os.getpid()}")
     if final.exists():

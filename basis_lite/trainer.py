@@ -40,7 +40,7 @@ from .estimators.probe import ReplayBuffer
 from .evaluate import evaluate
 from .faults import maybe_kill
 from .metrics import MetricsLog
-from .models import cache_root, count_parameters
+from .models import cache_root, count_parameters, reset_peak_memory
 from .priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
 from .rewards import RewardScorer, column_names, example_columns
 from .run_folder import claim_on_main, interrupt_message
@@ -193,7 +193,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
                                 wandb_project=cfg.train.wandb_project) if ranks.is_main
                      else distributed.NullMetrics()),
             estimator=get_estimator(cfg.estimator.name),
-            prompt_of={ex.id: format_prompt(tok, ex.question, cfg.data) for ex in train_ex},
+            prompt_of={ex.id: format_prompt(tok, ex.prompt, cfg.data) for ex in train_ex},
             eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress, ranks=ranks,
             per_prompt_rng=distributed.per_prompt_rng(cfg, ranks))
         if run.estimator.replay_capacity is not None:
@@ -281,6 +281,7 @@ def rollout_step(run: RunState, n: int) -> Step:
     """Step n's record: the global batch drawn, this rank's share generated (its own sampling streams with
     generation.rng per_prompt) and scored, then gathered over the ranks (one process: the same path)."""
     started = time.time()
+    reset_peak_memory(run.device)  # the peak memory of this step's record (Step.metrics) is this step's own
     batch = next(run.sampler)  # the global batch: the same on every rank
     ranks = run.ranks
     mine = ranks.shard(batch)
@@ -319,7 +320,7 @@ def score(run: RunState, batch, rollouts):
     stops the run (RewardError); after that a failing batch scores 0 and is counted in `reward_warnings`."""
     G = run.cfg.estimator.rollouts_per_prompt
     golds = [ex.answer for ex in batch for _ in range(G)]
-    scored = run.scorer([r.prompt for r in rollouts], [r.text for r in rollouts], golds,
+    scored = run.scorer([ex.prompt for ex in batch for _ in range(G)], [r.text for r in rollouts], golds,
                         columns=example_columns(batch, run.cfg.data, repeat=G),
                         completion_ids=[r.completion_ids for r in rollouts])
     return torch.tensor(scored.total, dtype=torch.float32).view(len(batch), G), scored

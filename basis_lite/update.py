@@ -40,6 +40,7 @@ from .losses import (
     masked_mean,
     sequence_logprobs,
 )
+from .models import training_attention
 
 # step metrics policy_update adds when they apply (the trainer copies those present into metrics.jsonl)
 OPTIONAL_STEP_METRICS = ("engine_log_ratio_mean", "engine_log_ratio_max", "mismatch_truncated_fraction",
@@ -306,6 +307,13 @@ def engine_ratio_stats(cfg: Config, acc: dict, ranks: Ranks) -> dict:
 
 def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
                   step: int = 0, scaler=None, ranks: Ranks | None = None):
+    """See `_policy_update`; runs it with the update's attention kernel (models.training_attention)."""
+    with training_attention(model):
+        return _policy_update(cfg, model, optimizer, rollouts, advantages, pad_id, device, step, scaler, ranks)
+
+
+def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
+                   step: int = 0, scaler=None, ranks: Ranks | None = None):
     """`train.ppo_epochs` optimizer steps on one batch of rollouts; each accumulates the loss over the
     micro-batches, then clips and steps. Returns (stats, ok).
 

@@ -66,6 +66,18 @@ pass only the completion tokens. vLLM computes no padding: its prefill counts th
 sampled token after the first costs one decode position. Tokens (and tokens/s) count useful tokens: real prompt
 tokens for prefill and training, sampled tokens for decode and generation. GFLOP/s = FLOPs / seconds.
 
+Roofline. Each part with FLOPs gets "x roofline" = seconds / (FLOPs / peak of the model's dtype): 1.0 would be every
+counted FLOP at the best measured GEMM rate; the step summary gives the whole step's FLOPs, roofline seconds and
+x roofline (the step's FLOPs are generation's plus the update's; reward and advantages add seconds, no FLOPs).
+
+Memory. The child process samples its RSS every 20 ms; "RSS MB" is each phase's peak (the phase starts after
+freed heap memory is handed back, so a peak is the phase's own). The "Where the peak memory comes from" table
+(`memory_breakdown`) splits the update's peak into the process baseline (interpreter and libraries), the frozen
+weights, the LoRA weights, gradients and AdamW moments, the activations the largest micro-batch saves for its
+backward (measured with autograd's saved-tensor hooks), the log-prob head's working set, and what is left (the
+allocator's kept buffers and fragmentation); the KV cache is sized from the shapes. Whole-job peaks, eval and the
+first-run conversion included: bench/job_memory.py.
+
 Other jobs may share the cores: the load average at start and end is recorded with each run. On oversubscribed
 cores libgomp's spinning threads can slow the many small matrix products of decoding several times over;
 --omp-passive (OMP_WAIT_POLICY=PASSIVE, recorded with the run) makes idle threads sleep instead.
@@ -214,9 +226,21 @@ class Row:
         g = self.gflops_per_s
         return None if g is None or not self.peak_gflops else g / self.peak_gflops
 
+    @property
+    def roofline_s(self) -> float | None:
+        """The time the measured matmul peak would take for this part's model FLOPs."""
+        return None if self.flops is None or not self.peak_gflops else self.flops / (self.peak_gflops * 1e9)
+
+    @property
+    def x_roofline(self) -> float | None:
+        """Seconds over roofline seconds (1.0 = at the matmul peak; = 1 / peak_ratio)."""
+        rs = self.roofline_s
+        return None if not rs else self.seconds / rs
+
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(tokens_per_s=self.tokens_per_s, gflops_per_s=self.gflops_per_s, peak_ratio=self.peak_ratio)
+        d.update(tokens_per_s=self.tokens_per_s, gflops_per_s=self.gflops_per_s, peak_ratio=self.peak_ratio,
+                 roofline_s=self.roofline_s, x_roofline=self.x_roofline)
         return d
 
     @classmethod
@@ -229,13 +253,15 @@ def _fmt(x, spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
-TABLE_COLUMNS = ("variant", "engine", "part", "s", "tokens", "tok/s", "GFLOP", "GFLOP/s", "% peak", "RSS MB", "note")
+TABLE_COLUMNS = ("variant", "engine", "part", "s", "tokens", "tok/s", "GFLOP", "GFLOP/s", "% peak", "x roofline",
+                 "RSS MB", "note")
 
 
 def row_cells(r: Row) -> list[str]:
     return [r.variant, r.engine, r.part, _fmt(r.seconds, ".2f"), _fmt(r.tokens, "d"), _fmt(r.tokens_per_s, ".1f"),
             _fmt(None if r.flops is None else r.flops / 1e9, ".1f"), _fmt(r.gflops_per_s, ".2f"),
-            _fmt(None if r.peak_ratio is None else 100 * r.peak_ratio, ".1f"), _fmt(r.rss_peak_mb, ".0f"), r.note]
+            _fmt(None if r.peak_ratio is None else 100 * r.peak_ratio, ".1f"), _fmt(r.x_roofline, ".2f"),
+            _fmt(r.rss_peak_mb, ".0f"), r.note]
 
 
 def markdown_table(header, rows) -> str:
@@ -313,7 +339,7 @@ def engine_comparison(doc: dict) -> list[list[str]]:
 COMPARISON_COLUMNS = ("dtype", "engine", "gen s", "sampled tokens", "tok/s", "start-up s (model + engine)",
                       "speed vs HF")
 SUMMARY_COLUMNS = ("variant", "engine", "gen s", "train s", "step s", "train GFLOP/s", "train % peak",
-                   "train peak RSS MB")
+                   "train peak RSS MB", "step GFLOP", "step roofline s", "step x roofline")
 
 
 def step_summary(doc: dict) -> list[list[str]]:
@@ -329,8 +355,56 @@ def step_summary(doc: dict) -> list[list[str]]:
                     None)
         out.append([r.variant, r.engine, _fmt(None if gen is None else gen.seconds, ".1f"), _fmt(r.seconds, ".1f"),
                     _fmt(None if step is None else step.seconds, ".1f"), _fmt(r.gflops_per_s, ".2f"),
-                    _fmt(None if r.peak_ratio is None else 100 * r.peak_ratio, ".1f"), _fmt(r.rss_peak_mb, ".0f")])
+                    _fmt(None if r.peak_ratio is None else 100 * r.peak_ratio, ".1f"), _fmt(r.rss_peak_mb, ".0f"),
+                    _fmt(None if step is None or step.flops is None else step.flops / 1e9, ".0f"),
+                    _fmt(None if step is None else step.roofline_s, ".1f"),
+                    _fmt(None if step is None else step.x_roofline, ".2f")])
     return out
+
+
+MEMORY_COLUMNS = ("variant", "component", "MB", "how")
+
+
+def memory_rows(doc: dict) -> list[list[str]]:
+    """Where each run's peak resident memory comes from (`memory` of a run; see `memory_breakdown`)."""
+    out = []
+    for run in doc["runs"]:
+        for comp in run.get("memory") or []:
+            out.append([run["dtype"] + override_tag(run.get("overrides")), comp["component"],
+                        _fmt(comp.get("mb"), ".0f"), comp.get("how", "")])
+    return out
+
+
+def memory_breakdown(baseline_mb: float, weights_mb: float, lora_mb: float, optimizer_mb: float,
+                     activations_mb: float, head_rows: int, vocab: int, kv_cache_mb: float, startup_peak: float,
+                     gen_peak: float, train_peak: float) -> list[dict]:
+    """The components of the peak RSS: measured ones, sizes from the tensors, and what is left (allocator).
+
+    The update's peak holds the process baseline (interpreter, torch, transformers, peft), the frozen weights, the
+    LoRA weights with their gradients and AdamW's two moments, the activations the largest micro-batch saves for
+    its backward, and the log-prob head's working set: about three live float32 [rows, V] tensors of one chunk
+    (logits, their exponentials, their gradient). What the sum leaves of the measured peak is the allocator's
+    (freed buffers kept for reuse, fragmentation, oneDNN scratch)."""
+    head_mb = 3 * head_rows * vocab * 4 / 2**20
+    known = baseline_mb + weights_mb + 2 * lora_mb + optimizer_mb + activations_mb + head_mb
+    rows = [
+        {"component": "process baseline", "mb": baseline_mb, "how": "RSS after importing torch, transformers, peft"},
+        {"component": "frozen weights", "mb": weights_mb, "how": "sum of the base parameters' bytes"},
+        {"component": "LoRA weights + gradients", "mb": 2 * lora_mb, "how": "trainable bytes x 2 (fp32)"},
+        {"component": "AdamW moments", "mb": optimizer_mb, "how": "optimizer state bytes after the update"},
+        {"component": "activations saved for backward", "mb": activations_mb,
+         "how": "largest micro-batch: unique storages saved by autograd, parameters excluded"},
+        {"component": "log-prob head working set", "mb": head_mb,
+         "how": f"~3 fp32 [{head_rows}, {vocab}] tensors of one chunk (logits, exp, gradient)"},
+        {"component": "allocator and other (update)", "mb": max(0.0, train_peak - known),
+         "how": "measured update peak minus the rows above"},
+        {"component": "KV cache (generation)", "mb": kv_cache_mb,
+         "how": "2 x layers x kv_heads x head_dim x rows x (prompt + new tokens) x dtype bytes"},
+        {"component": "peak: startup", "mb": startup_peak, "how": "measured (RSS sampled every 20 ms)"},
+        {"component": "peak: generation", "mb": gen_peak, "how": "measured"},
+        {"component": "peak: update", "mb": train_peak, "how": "measured"},
+    ]
+    return rows
 
 
 def render_markdown(doc: dict) -> str:
@@ -367,6 +441,12 @@ def render_markdown(doc: dict) -> str:
     if len({r[1] for r in cmp_rows}) > 1:
         lines += ["## Generation, engines side by side (same prompts, max_new_tokens, temperature)", "",
                   markdown_table(COMPARISON_COLUMNS, cmp_rows), ""]
+    mem = memory_rows(doc)
+    if mem:
+        lines += ["## Where the peak memory comes from", "",
+                  "Per run, in the child process that measured it (`memory_breakdown` in bench/cpu_step.py says "
+                  "how each line is obtained). Whole-job peaks (eval, first-run conversion): bench/job_memory.py.",
+                  "", markdown_table(MEMORY_COLUMNS, mem), ""]
     lines += ["## Every part", "", markdown_table(TABLE_COLUMNS, [row_cells(r) for r in _rows_of(doc)]), ""]
     return "\n".join(lines)
 
@@ -606,13 +686,26 @@ def _timed_update(trainer_mod, update_mod, run, step, shape, lora, gc_on):
     """trainer.update (policy_update, scheduler) with its parts timed; returns (parts dict, stats, ok)."""
     import torch
 
-    acc = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0, "fwd_pos": 0, "fwd_real": 0, "fwd_flops": 0.0, "bwd_flops": 0.0}
+    acc = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0, "fwd_pos": 0, "fwd_real": 0, "fwd_flops": 0.0, "bwd_flops": 0.0,
+           "saved_mb": 0.0, "head_rows": 0}
+    param_ptrs = {p.untyped_storage().data_ptr() for p in run.model.parameters()}
 
     def wrap_logprobs(orig):
         def f(model_, input_ids, attention_mask, completion_mask, *a, **kw):
+            seen: dict = {}
+
+            def pack(t):  # the bytes autograd keeps for the backward: unique storages, parameters excluded
+                st = t.untyped_storage()
+                if st.data_ptr() not in param_ptrs:
+                    seen[st.data_ptr()] = st.nbytes()
+                return t
+
             t0 = time.perf_counter()
-            out = orig(model_, input_ids, attention_mask, completion_mask, *a, **kw)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = orig(model_, input_ids, attention_mask, completion_mask, *a, **kw)
             acc["fwd"] += time.perf_counter() - t0
+            acc["saved_mb"] = max(acc["saved_mb"], sum(seen.values()) / 2**20)
+            acc["head_rows"] = max(acc["head_rows"], min(int(out.mask.sum()), int(kw.get("chunk_size", 1024))))
             b, t = input_ids.shape
             head = int(out.mask.sum())
             pairs = b * causal_pairs(t)
@@ -673,7 +766,9 @@ def _warm_up(run, update_mod, prompts, generate: bool = True):
 
 def run_child(spec: dict) -> dict:
     """Measure one dtype: startup, generation (engine), rewards, advantages, and the update per gc setting."""
+    import peft  # noqa: F401 - imported before the baseline is read
     import torch
+    import transformers  # noqa: F401
 
     from basis_lite.config import load_config
     from basis_lite.data import PromptSampler, format_prompt, load_examples
@@ -689,6 +784,8 @@ def run_child(spec: dict) -> dict:
     peak = spec["peak_gflops"]
     tag = spec.get("tag", "")
     sampler_rss = RssSampler()
+    baseline_mb = sampler_rss._rss() / 2**20
+    memory: list[dict] = []
     rows: list[Row] = []
     gc_settings = spec["gc"]
     cfgs = {g: load_config(spec["preset"], spec["overrides"] + [
@@ -807,12 +904,15 @@ def run_child(spec: dict) -> dict:
             add("step total", gen_row.seconds + reward_s + b["total"], g, tokens=gen_row.tokens,
                 flops=(gen_row.flops or 0.0) + b["fwd_flops"] + b["bwd_flops"],
                 note="gen total + reward + advantages + train total; tokens = sampled tokens")
+            if i == 0:  # the preset's checkpointing setting
+                memory = _memory_of(run, rows, b, baseline_mb, shape, dtype, rollouts, cfg)
     finally:
         scorer.close()
         sampler_rss.close()
     import resource
 
-    return {"rows": [r.to_dict() for r in rows], "shape": asdict(shape), "lora_R": lora, "lora_params": n_trainable,
+    return {"rows": [r.to_dict() for r in rows], "memory": memory, "shape": asdict(shape), "lora_R": lora,
+            "lora_params": n_trainable,
             "resolved_dtype": str(dtype).replace("torch.", ""),
             "batch": {"prompts": len(batch), "rollouts_per_prompt": G,
                       "max_new_tokens": cfg.generation.max_new_tokens, "temperature": cfg.generation.temperature,
@@ -821,6 +921,24 @@ def run_child(spec: dict) -> dict:
             "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "completion_lengths": [len(r.completion_ids) for r in rollouts],
             "prompt_lengths": [len(r.prompt_ids) for r in rollouts]}
+
+
+def _memory_of(run, rows, upd: dict, baseline_mb: float, shape: Shape, dtype, rollouts, cfg) -> list[dict]:
+    """memory_breakdown from this child's measurements and its model's tensors."""
+    import torch
+
+    mb = lambda ts: sum(t.numel() * t.element_size() for t in ts) / 2**20  # noqa: E731
+    params = list(run.model.parameters())
+    opt_state = [v for st in run.optimizer.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+    rows_gen = min(len(rollouts), cfg.generation.batch_size)
+    seq = max(len(r.prompt_ids) for r in rollouts) + cfg.generation.max_new_tokens
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * rows_gen * seq * torch.tensor([], dtype=dtype).element_size()
+    peak = {r.part: r.rss_peak_mb for r in rows if r.rss_peak_mb is not None}
+    return memory_breakdown(baseline_mb, mb([p for p in params if not p.requires_grad]),
+                            mb([p for p in params if p.requires_grad]), mb(opt_state), upd.get("saved_mb", 0.0),
+                            upd.get("head_rows", 0), shape.vocab, kv / 2**20, peak.get("startup", 0.0),
+                            peak.get("gen total", 0.0), upd.get("rss_peak_mb", 0.0))
 
 
 def _generate_once(trainer_mod, engine_name, run, batch, shape, lora) -> dict:
@@ -1050,6 +1168,9 @@ def main(argv=None) -> int:
         (out / "cpu_step.md").write_text(render_markdown(doc))
     print()
     print(text_table(SUMMARY_COLUMNS, step_summary(doc)))
+    if memory_rows(doc):
+        print()
+        print(text_table(MEMORY_COLUMNS, memory_rows({"runs": runs})))
     cmp_rows = engine_comparison(doc)
     if len({r[1] for r in cmp_rows}) > 1:
         print()

@@ -92,3 +92,13 @@ def needs_solution(completions, solution):
 
 def in_worker_pid(completions, **kwargs):
     return [float(os.getpid())] * len(completions)
+
+
+def trl_conversational(prompts, completions, solution, difficulty, **kwargs):
+    """TRL's documented conversational reward: completions are [{"role": "assistant", "content": ...}] lists and
+    prompts the dataset's message lists; `solution` and `difficulty` are data columns. Asserts those shapes (a
+    wrong shape fails the call), then scores 1.0 where the completion holds the solution, plus difficulty / 10."""
+    assert all(isinstance(p, list) and p[-1]["role"] == "user" for p in prompts), prompts[:1]
+    assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in completions), completions[:1]
+    texts = [c[0]["content"] for c in completions]
+    return [float(s in t) + d / 10 for t, s, d in zip(texts, solution, difficulty)]

@@ -65,6 +65,23 @@ def test_row_ratio_math_and_cells(cs):
     assert empty.tokens_per_s is None and empty.gflops_per_s is None and empty.peak_ratio is None
     assert dict(zip(cs.TABLE_COLUMNS, cs.row_cells(empty)))["% peak"] == "-"
     assert cs.Row(variant="v", engine="hf", dtype="f", gc="-", part="p", seconds=1.0, flops=1e9).peak_ratio is None
+    # 4 GFLOP at a 10 GFLOP/s peak: 0.4 s of roofline; 2.0 s measured is 5x it
+    assert r.roofline_s == pytest.approx(0.4) and r.x_roofline == pytest.approx(5.0) and cells["x roofline"] == "5.00"
+    assert empty.roofline_s is None and empty.x_roofline is None
+
+
+def test_memory_breakdown_adds_up_to_the_measured_peak(cs):
+    rows = cs.memory_breakdown(baseline_mb=300.0, weights_mb=500.0, lora_mb=20.0, optimizer_mb=40.0,
+                               activations_mb=900.0, head_rows=256, vocab=1024, kv_cache_mb=50.0, startup_peak=900.0,
+                               gen_peak=1200.0, train_peak=2000.0)
+    by = {r["component"]: r["mb"] for r in rows}
+    assert by["LoRA weights + gradients"] == 40.0
+    assert by["log-prob head working set"] == pytest.approx(3 * 256 * 1024 * 4 / 2**20)  # 3 MB
+    parts = ("process baseline", "frozen weights", "LoRA weights + gradients", "AdamW moments",
+             "activations saved for backward", "log-prob head working set", "allocator and other (update)")
+    assert sum(by[k] for k in parts) == pytest.approx(2000.0)
+    doc = {"runs": [{"dtype": "float32", "overrides": [], "memory": rows}]}
+    assert ["float32", "peak: update", "2000", "measured"] in cs.memory_rows(doc)
 
 
 def test_cpu_flags_and_model(cs):
@@ -113,7 +130,7 @@ def test_merge_comparison_and_markdown(cs):
     assert by[("float32", "hf")][6] == "-"
     assert ("float32 [train.batch_size=8]", "hf") in by
     summary = cs.step_summary(doc)
-    assert ["float32, gc off", "hf", "10.0", "4.0", "14.0", "5.00", "50.0", "-"] in summary
+    assert ["float32, gc off", "hf", "10.0", "4.0", "14.0", "5.00", "50.0", "-", "-", "-", "-"] in summary
     md = cs.render_markdown(doc)
     for text in ("avx2 yes", "avx512_bf16 no", "git commit abc", "| variant | engine | part |",
                  "engines side by side", "train.batch_size=8"):

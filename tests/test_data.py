@@ -128,7 +128,7 @@ def test_unknown_task_name_is_an_error_not_another_task(tmp_path):
     with pytest.raises(DataError, match="did you mean 'arithmetic'"):
         load_examples(cfg(dataset="arithmetics"), "train")
     (tmp_path / "d.txt").write_text("What is 1 + 1?,2\n")
-    with pytest.raises(DataError, match=r"is not a \.jsonl/\.json/\.csv/\.parquet file; choose one of arithmetic"):
+    with pytest.raises(DataError, match=r"is not a \.jsonl/\.json/\.csv/\.parquet/\.arrow file; choose one of arithmetic"):
         load_examples(cfg(dataset=str(tmp_path / "d.txt")), "train")
     with pytest.raises(DataError, match="'nonsense' is not a built-in task; built-in tasks: arithmetic, algebra, "
                                         "wordproblems"):

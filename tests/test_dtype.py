@@ -1,6 +1,7 @@
-"""model.dtype: auto on a CPU picks bf16 only with native bf16 flags AND a timing that confirms it; an explicit
-bfloat16 on a CPU without native bf16 warns with the measured slowdown. The flags and the timing are replaced here
-(the CPU this runs on has whatever flags it has); the last test runs the real timing once."""
+"""model.dtype: auto on a CPU picks bf16 only with native bf16 flags AND a whole-step timing that confirms it (cached
+per machine in the cache folder); an explicit bfloat16 on a CPU without native bf16 warns with the measured slowdown.
+The flags and the timing are replaced here (the CPU this runs on has whatever flags it has); the last tests run the
+real timings once."""
 from __future__ import annotations
 
 import logging
@@ -29,7 +30,8 @@ def test_auto_without_native_flags_is_float32_and_says_why(monkeypatch, caplog):
     assert "float32" in caplog.text and "no native bf16" in caplog.text
 
 
-@pytest.mark.parametrize("bf16_ms, fp32_ms, want", [(2.0, 4.0, torch.bfloat16), (40.0, 4.0, torch.float32)])
+@pytest.mark.parametrize("bf16_ms, fp32_ms, want", [(2.0, 4.0, torch.bfloat16), (40.0, 4.0, torch.float32),
+                                                    (3.9, 4.0, torch.float32)])  # no faster: fp32
 def test_auto_with_flags_follows_the_timing(monkeypatch, caplog, bf16_ms, fp32_ms, want):
     monkeypatch.setattr(models, "cpu_bf16_flags", lambda: ("avx512_bf16",))
     monkeypatch.setattr(models, "cpu_bf16_check", lambda: Bf16Check(("avx512_bf16",), bf16_ms, fp32_ms))
@@ -54,4 +56,70 @@ def test_the_real_check_times_both_dtypes():
     check = models.cpu_bf16_check()
     assert check.bf16_ms > 0 and check.fp32_ms > 0
     assert set(check.flags) <= {"avx512_bf16", "amx_bf16"}
-    assert check.fast == (bool(check.flags) and check.bf16_ms < check.fp32_ms)
+    assert check.probe == ("step" if check.flags else "linear")
+    assert check.fast == (bool(check.flags) and check.bf16_ms < models.BF16_MARGIN * check.fp32_ms)
+
+
+SMALL_PROBE = dict(models.STEP_PROBE, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=300,
+                   prefill=(2, 8), decode_steps=2, train=(2, 12), completion=4)
+
+
+def test_the_step_probe_times_prefill_decode_and_training_and_leaves_the_rng_alone():
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    ms = models.cpu_step_probe_ms(torch.float32, SMALL_PROBE)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert set(ms) == {"prefill", "decode", "train", "total"} and all(v > 0 for v in ms.values())
+    w = SMALL_PROBE["weights"]
+    assert ms["total"] == pytest.approx(sum(w[k] * ms[k] for k in w))
+
+
+def test_the_step_check_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("BASIS_LITE_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+    calls = []
+
+    def fake_probe(dtype, probe=models.STEP_PROBE):
+        calls.append(dtype)
+        total = 10.0 if dtype == torch.bfloat16 else 30.0
+        return {"prefill": 1.0, "decode": 1.0, "train": 1.0, "total": total}
+
+    monkeypatch.setattr(models, "cpu_step_probe_ms", fake_probe)
+    first = models.cpu_bf16_check()
+    assert (first.probe, first.cached, first.bf16_ms, first.fp32_ms, first.fast) == ("step", False, 10.0, 30.0, True)
+    assert calls == [torch.bfloat16, torch.float32]
+    assert (tmp_path / models.DTYPE_CHECK_FILE).is_file()
+    models.cpu_bf16_check.cache_clear()  # a new process on the same machine: read back, nothing timed
+    again = models.cpu_bf16_check()
+    assert again.cached and (again.bf16_ms, again.fp32_ms) == (10.0, 30.0) and len(calls) == 2
+    assert "measured earlier" in again.describe()
+
+
+def _tiny_llama(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+@pytest.mark.parametrize("dtype, inside", [(torch.bfloat16, "eager"), (torch.float32, "sdpa")])
+def test_training_attention_is_eager_for_bf16_on_the_cpu_only_and_gives_the_same_logprobs(dtype, inside):
+    from basis_lite.losses import sequence_logprobs
+
+    model = _tiny_llama(dtype)
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, 300, (2, 12))
+    attn = torch.ones_like(ids)
+    attn[1, 9:] = 0  # right padding, as the update packs
+    comp = torch.zeros_like(ids)
+    comp[:, 5:] = 1
+    with torch.no_grad():
+        plain = sequence_logprobs(model, ids, attn, comp)
+        with models.training_attention(model):
+            assert model.config._attn_implementation == inside
+            switched = sequence_logprobs(model, ids, attn, comp)
+    assert model.config._attn_implementation == "sdpa"  # restored: generation keeps its kernel
+    m = plain.mask
+    assert torch.allclose(plain.logprobs[m], switched.logprobs[m], atol=0.05 if dtype == torch.bfloat16 else 1e-5)

@@ -51,6 +51,47 @@ def test_eval_run_folder_writes_json_and_prints_table(run, capsys):
     assert "greedy pass@1" in out and "overall" in out and "level 1" in out and str(run / "eval.json") in out
 
 
+def test_eval_writes_per_problem_samples_and_shows_misses(run, tmp_path, capsys):
+    """eval_samples.jsonl beside the JSON: one line per problem whose verdicts recompute from its own completion
+    and gold and add up to the accuracy; --show-misses prints the misses."""
+    from basis_lite.answers import extracted_answer
+    from basis_lite.data import load_examples
+    from basis_lite.rewards import correctness
+    from basis_lite.runs import load_run_config, resolve_target
+
+    out = tmp_path / "e.json"
+    assert cli.main(["eval", str(run), "--limit", "4", "--out", str(out), "--show-misses", "2"]) == 0
+    res = json.loads(out.read_text())
+    samples = tmp_path / "e_samples.jsonl"
+    assert res["samples_file"] == str(samples)
+    recs = [json.loads(line) for line in samples.read_text().splitlines()]
+    examples = load_examples(load_run_config(resolve_target(run)).data, "eval")[:4]
+    assert [r["id"] for r in recs] == [ex.id for ex in examples]
+    assert [r["gold"] for r in recs] == [ex.answer for ex in examples]
+    assert [r["prompt"] for r in recs] == [ex.question for ex in examples]
+    assert [r["level"] for r in recs] == [ex.meta["level"] for ex in examples]
+    for r in recs:
+        assert r["correct"] == bool(correctness(r["completion"], r["gold"]))
+        assert r["extracted"] == extracted_answer(r["completion"])
+        assert r["prompt_text"].endswith("assistant\n") and r["prompt"] in r["prompt_text"]
+    assert sum(r["correct"] for r in recs) / len(recs) == pytest.approx(res["accuracy"])
+    printed = capsys.readouterr().out
+    misses = [r for r in recs if not r["correct"]]
+    assert f"{len(misses)} of 4 problems missed" in printed
+    for r in misses[:2]:
+        assert f"- {r['id']}" in printed and f"gold {r['gold']!r}" in printed
+    for r in misses[2:]:
+        assert f"- {r['id']}" not in printed
+
+
+def test_extracted_answer():
+    from basis_lite.answers import extracted_answer
+
+    assert extracted_answer("so \\boxed{3} then \\boxed{ 42 } and \\boxed{}") == "42"
+    assert extracted_answer("no box, 17") is None
+    assert extracted_answer("no box, 17", require_boxed=False) == "17"
+
+
 def test_eval_adapter_folder_with_samples_gives_pass_at_k(run, tmp_path, capsys):
     out = tmp_path / "sub" / "e.json"
     assert cli.main(["eval", str(run / "adapter"), "--samples", "2", "--limit", "2", "--out", str(out)]) == 0
@@ -89,6 +130,7 @@ def test_eval_checkpoint_folder_and_dataset_file(run, tmp_path):
     (["eval", "{run}", "--dataset", "no-such-dataset"], "data.dataset"),
     (["eval", "{run}", "--set", "train.no_such_key=1"], "unknown config key"),
     (["eval", "{run}", "--samples", "-1"], "--samples"),
+    (["eval", "{run}", "--show-misses", "-1"], "--show-misses"),
 ])
 def test_eval_user_errors_exit_2(run, tmp_path, capsys, argv, message):
     argv = [a.format(tmp=tmp_path, run=run) for a in argv]
@@ -170,6 +212,12 @@ def _synthetic(n_steps: int = 40, eval_every: int = 10):
 
 
 def _line(ax, prefix: str):
+    """The line labelled `prefix...`: a plain line, or the data line of an error-bar plot (eval points)."""
+    from matplotlib.container import ErrorbarContainer
+
+    for c in ax.containers:
+        if isinstance(c, ErrorbarContainer) and c.get_label().startswith(prefix):
+            return c.lines[0]
     return next(ln for ln in ax.get_lines() if ln.get_label().startswith(prefix))
 
 
@@ -188,7 +236,8 @@ def test_charts_show_every_eval_point_smoothing_and_the_training_panels():
     ax = figs["reward.png"].axes[0]
     # reward and accuracy are equal here: drawn once, both named; raw + a centred mean of 5 steps (40 steps)
     assert smoothing_window(40) == 5
-    smoothed = _line(ax, "reward mean = accuracy (mean of 5 steps)")
+    smoothed = _line(ax, "training reward mean, sampled rollouts = training accuracy, sampled rollouts (mean of 5 "
+                         "steps)")
     ys = [r["reward_mean"] for r in steps]
     assert list(smoothed.get_ydata()) == pytest.approx(smooth(ys, 5))
     titles = [a.get_title() for a in figs["training.png"].axes]
@@ -197,7 +246,9 @@ def test_charts_show_every_eval_point_smoothing_and_the_training_panels():
         assert any(word in t for t in titles), (word, titles)
     kl_ax = next(a for a in figs["training.png"].axes if a.get_title().startswith("KL"))
     assert any("not computed" in t.get_text() for t in kl_ax.texts)  # kl is 0 at every step here
-    assert [len(eval_ax.get_lines()) for eval_ax in figs["eval_accuracy.png"].axes] == [1]
+    (eval_ax,) = figs["eval_accuracy.png"].axes
+    assert [c.get_label() for c in eval_ax.containers] == ["overall (bars: 95% Wilson interval)"]
+    assert not [ln for ln in eval_ax.get_lines() if ln.get_label().startswith("level")]
     assert len(figs["eval_accuracy.png"].axes[0].texts) == len(evals)  # every point's value written
 
 
@@ -243,3 +294,69 @@ def test_plot_reads_rollouts_per_step_from_the_run_config(run, tmp_path):
     assert _rollouts_per_step(run) == 8  # smoke preset: train.batch_size 8 x 1 rollout
     (tmp_path / "config.yaml").write_text("not: [valid")
     assert _rollouts_per_step(tmp_path) is None
+
+
+def test_wilson_interval():
+    from basis_lite.plot import wilson_interval
+
+    lo, hi = wilson_interval(8, 10)
+    assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
+    assert wilson_interval(5, 10) == pytest.approx((1 - wilson_interval(5, 10)[1], 1 - wilson_interval(5, 10)[0]))
+
+
+def _synthetic_ev(with_loo_field: bool):
+    steps = [{"step": s, "reward_mean": 0.1 * s, "accuracy": 0.1 * s, "explained_variance": -0.05 * s,
+              **({"explained_variance_loo_ref": -0.1 if s < 3 else -0.2} if with_loo_field else {})}
+             for s in range(1, 6)]
+    evals = [{"step": 0, "event": "eval", "eval_accuracy": 0.25, "eval_n": 20},
+             {"step": 5, "event": "eval", "eval_accuracy": 0.8, "eval_n": 10}]
+    return steps, evals
+
+
+def test_reward_chart_labels_sampled_vs_greedy_with_wilson_bars():
+    from matplotlib.container import ErrorbarContainer
+
+    from basis_lite.plot import build_figures, wilson_interval
+
+    steps, evals = _synthetic_ev(False)
+    ax = build_figures(steps, evals, rollouts_per_step=8)["reward.png"].axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("sampled" in t and "training" in t for t in labels), labels
+    assert any("greedy" in t and "Wilson" in t for t in labels), labels
+    (bars,) = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    segments = bars.lines[2][0].get_segments()
+    for seg, (k, n) in zip(segments, [(5, 20), (8, 10)]):
+        assert [seg[0][1], seg[1][1]] == pytest.approx(list(wilson_interval(k, n)))
+
+
+@pytest.mark.parametrize("with_field", [True, False])
+def test_explained_variance_chart_draws_the_leave_one_out_reference(with_field):
+    from basis_lite.plot import build_figures
+
+    steps, evals = _synthetic_ev(with_field)
+    ax = build_figures(steps, evals, rollouts_per_step=8)["explained_variance.png"].axes[0]
+    refs = [ln for ln in ax.get_lines() if "leave-one-out" in ln.get_label()]
+    assert len(refs) == 1
+    if with_field:  # the logged field wins over the config's batch size
+        assert list(refs[0].get_ydata()) == [-0.1, -0.1, -0.2, -0.2, -0.2]
+    else:
+        assert list(refs[0].get_ydata()) == pytest.approx([1 - (8 / 7) ** 2] * 2)
+
+
+def test_peak_memory_is_the_windows_own_peak():
+    """After reset_peak_memory the CPU peak no longer holds an earlier, larger allocation (Linux: VmHWM reset)."""
+    import torch
+
+    from basis_lite.models import peak_memory_mb, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    if not reset_peak_memory(cpu):
+        pytest.skip("this system cannot reset the resident-set high-water mark")
+    big = torch.ones(40 * 2**20)  # 160 MiB, touched
+    high = peak_memory_mb(cpu)
+    del big
+    reset_peak_memory(cpu)
+    low = peak_memory_mb(cpu)
+    assert high - low > 100, (high, low)

@@ -123,11 +123,17 @@ def test_export_adapter_loads_with_peft_and_gives_identical_logits(env, tmp_path
     assert tok.chat_template, "the exported tokenizer lost its chat template"
     assert (out / "chat_template.jinja").read_text() == tok.chat_template
     assert_training_prompts_reproduced(tok.chat_template, env)
-    # the base is named portably (the run's model.name), not by this machine's cache folder
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "builtin:tiny-random"
+    # a built-in base travels with the adapter: base/ holds its weights byte for byte, named by a relative path
+    # (not this machine's cache folder, not the `builtin:` name stock loaders reject)
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "base"
     assert json.loads((env["run"] / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         "builtin:tiny-random"
-    assert "resolve_model_path('builtin:tiny-random')" in readme
+    assert (out / "base" / "model.safetensors").read_bytes() == \
+        (Path(env["base_path"]) / "model.safetensors").read_bytes()
+    assert AutoTokenizer.from_pretrained(out / "base").chat_template == tok.chat_template
+    assert f'from_pretrained("{out / "base"}"' in readme and "basis_lite" not in readme.split("## Load")[1]
+    modes = {oct(p.stat().st_mode & 0o777) for p in out.rglob("*")}
+    assert modes == {oct(0o644), oct(0o755)}, modes  # weights 0644 like the rest, not safetensors' 0600
 
     ids = _prompts(tok)
     exported = PeftModel.from_pretrained(_base(env["base_path"]), str(out))
@@ -138,6 +144,66 @@ def test_export_adapter_loads_with_peft_and_gives_identical_logits(env, tmp_path
         base = _logits(exported, ids)
     assert _maxdiff(a, base) > 1e-3, "the adapter under test does not change the model (test would be vacuous)"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+STOCK_LOAD = r"""
+import json, sys
+import torch
+from peft import AutoPeftModelForCausalLM, PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+folder, instruction, max_new = sys.argv[1], sys.argv[2], int(sys.argv[3])
+records = [json.loads(line) for line in open(sys.argv[4])]
+tok = AutoTokenizer.from_pretrained(folder)
+models = {
+    # from inside the folder: adapter_config.json's relative base path resolves
+    "auto": AutoPeftModelForCausalLM.from_pretrained(".", dtype=torch.float32),
+    "peft": PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder + "/base", dtype=torch.float32),
+                                      folder),
+}
+out = {"basis_lite_imported": any(m.split(".")[0] == "basis_lite" for m in sys.modules)}
+for name, model in models.items():
+    model.eval()
+    answers = []
+    for r in records:
+        msgs = [{"role": "user", "content": r["prompt"] + " " + instruction}]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)
+        gen = model.generate(**ids, max_new_tokens=max_new, do_sample=False)
+        answers.append({"prompt_text": text,
+                        "completion": tok.decode(gen[0][ids.input_ids.shape[1]:], skip_special_tokens=True)})
+    out[name] = answers
+print(json.dumps(out))
+"""
+
+
+def test_exported_adapter_loads_with_stock_peft_and_answers_as_basis_lite_eval(env, tmp_path):
+    """The adapter export of a built-in base, loaded by plain peft + transformers in a fresh interpreter that never
+    imports basis_lite (AutoPeftModelForCausalLM from inside the folder; PeftModel over its base/ from elsewhere),
+    gives the same greedy completions, from the same prompt text, as `basis-lite eval` on the export."""
+    import subprocess
+
+    from basis_lite.config import load_config_file
+
+    out = tmp_path / "adapter-out"
+    assert cli.main(["export", str(env["run"]), "--out", str(out)]) == 0
+    res = tmp_path / "eval.json"
+    assert cli.main(["eval", str(out), "--limit", "3", "--out", str(res), "--set", "model.dtype=float32"]) == 0
+    recs = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(recs) == 3 and all(r["completion"] for r in recs)
+    cfg = load_config_file(env["run"] / "config.yaml")
+    script = tmp_path / "stock_load.py"
+    script.write_text(STOCK_LOAD)
+    proc = subprocess.run([sys.executable, str(script), str(out), cfg.data.instruction,
+                           str(cfg.train.eval_max_new_tokens), str(tmp_path / "eval_samples.jsonl")], cwd=out,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["basis_lite_imported"] is False
+    for name in ("auto", "peft"):
+        assert [a["prompt_text"] for a in got[name]] == [r["prompt_text"] for r in recs], name
+        assert [a["completion"] for a in got[name]] == [r["completion"] for r in recs], name
 
 
 def test_export_merged_bf16_reloads_in_plain_transformers_within_tolerance(env, tmp_path, capsys):
@@ -308,3 +374,40 @@ def test_export_errors_exit_2(env, tmp_path, capsys):
     assert cli.main(["export", str(tmp_path / "notarun"), "--out", str(tmp_path / "o")]) == 2
     assert "not a basis-lite run folder" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_builtin_smollm2_adapter_export_answers_like_basis_lite_eval_in_stock_peft(tmp_path):
+    """The same check on the real built-in SmolLM2 (dequantised from Q4_1: only the carried base/ reproduces it):
+    one training step, export, `basis-lite eval` on 6 problems, and plain peft + transformers from the folder."""
+    import subprocess
+
+    from conftest import sets
+
+    from basis_lite.config import load_config_file
+
+    run = tmp_path / "run"
+    over = ["train.steps=1", "train.batch_size=4", "train.micro_batch_size=4", "data.eval_size=6",
+            "model.dtype=float32", "generation.max_new_tokens=16", "train.eval_max_new_tokens=48",
+            "train.eval_every=0"]
+    assert cli.main(["train", "--preset", "cpu-smollm2-arith", "--output", str(run), "--no-progress",
+                     *sets(over)]) == 0
+    _perturb_lora_b(run / "adapter" / "adapter_model.safetensors")  # one step barely moves it
+    out = tmp_path / "adapter-out"
+    assert cli.main(["export", str(run), "--out", str(out)]) == 0
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "base"
+    assert cli.main(["eval", str(out), "--out", str(tmp_path / "eval.json"), "--set", "model.dtype=float32"]) == 0
+    recs = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    cfg = load_config_file(run / "config.yaml")
+    script = tmp_path / "stock_load.py"
+    script.write_text(STOCK_LOAD)
+    proc = subprocess.run([sys.executable, str(script), str(out), cfg.data.instruction,
+                           str(cfg.train.eval_max_new_tokens), str(tmp_path / "eval_samples.jsonl")], cwd=out,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["basis_lite_imported"] is False
+    for name in ("auto", "peft"):
+        assert [a["prompt_text"] for a in got[name]] == [r["prompt_text"] for r in recs], name
+        assert [a["completion"] for a in got[name]] == [r["completion"] for r in recs], name

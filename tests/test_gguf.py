@@ -88,6 +88,8 @@ def check_gguf_file(out: Path, gguf_type: str, run: Path, base_path: str, texts:
 
 @pytest.mark.parametrize("gguf_type", ["q8_0", "f16"])
 def test_gguf_export_of_a_smoke_run_reloads_within_tolerance_and_tokenizes_alike(env, tmp_path, gguf_type, capsys):
+    from transformers import AutoTokenizer
+
     from basis_lite.models import gguf_metadata
 
     out = tmp_path / f"gguf-{gguf_type}"
@@ -108,6 +110,14 @@ def test_gguf_export_of_a_smoke_run_reloads_within_tolerance_and_tokenizes_alike
     modelfile = (out / "Modelfile").read_text()
     assert f"FROM ./model-{gguf_type}.gguf" in modelfile and f'SYSTEM """{SYSTEM}"""' in modelfile
     assert 'PARAMETER stop "<|im_end|>"' in modelfile
+    from basis_lite.config import load_config_file
+
+    ctx = load_config_file(env["run"] / "config.yaml").model.max_seq_length
+    assert "PARAMETER temperature 0\n" in modelfile and f"PARAMETER num_ctx {ctx}\n" in modelfile
+    assert f'PARAMETER stop "{AutoTokenizer.from_pretrained(env["base_path"]).eos_token}"' in modelfile
+    assert gguf_metadata(out / f"model-{gguf_type}.gguf", ["general.name"])["general.name"] == env["run"].name
+    assert report["check"]["general_name"] == env["run"].name
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o644)}, "files not 0644"
     readme = (out / "README.md").read_text()
     assert "--jinja" in readme and "Self-check" in readme
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

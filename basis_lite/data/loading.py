@@ -14,8 +14,15 @@ gsm8k, math (Hugging Face hub, through `datasets`, imported lazily)
     ``data.eval_size`` the eval rows (0 = none), each a seeded random subset. Without network access this
     raises DataError suggesting a local file.
 
-a local file: ``.jsonl``, ``.json`` (a list of objects, or JSON lines), ``.csv`` or ``.parquet``
-    Fields ``data.question_field`` / ``data.answer_field``. One file serves both splits: the questions (duplicates
+a local file: ``.jsonl``, ``.json`` (a list of objects, or JSON lines), ``.csv``, ``.parquet``, ``.arrow``, or a
+    folder written by `datasets`' ``save_to_disk`` (one Dataset; a DatasetDict's split folder). Arrow data is read
+    with pyarrow alone (nothing is unpickled).
+    Fields ``data.question_field`` / ``data.answer_field``; when they keep their defaults (question, answer) and
+    the data lacks them, TRL's names are used: ``prompt`` for the question, ``solution`` for the answer. The
+    question is text (TRL's standard format) or a list of ``{"role", "content"}`` messages (TRL's conversational
+    format, optionally with a system message first; the last user message gets ``data.instruction``). Every other
+    column goes to the example's meta under its own name, and from there to reward functions (as TRL passes a
+    dataset's extra columns), except ``prompt``, ``completion`` and ``completion_ids``. One file serves both splits: the questions (duplicates
     dropped) are shuffled with ``data.seed`` and the first ``data.eval_size`` are held out for eval (at most half
     the file); the rest are for training (capped at ``data.train_size``, 0 = all). An answer holding ``####``
     (a GSM8K solution) keeps the text after it; one holding ``\\boxed{}`` (a MATH solution) keeps the box content.
@@ -58,7 +65,7 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "eval")
 MAX_GOLD_CHARS = 2000  # a longer gold answer is a bad row (math-verify would spend seconds and log all of it)
-LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".arrow")
 GOLD_STYLES = ("gsm8k", "math", "any")
 
 
@@ -68,10 +75,18 @@ GOLD_STYLES = ("gsm8k", "math", "any")
 
 @dataclass(frozen=True)
 class _Row:
-    row: int  # 1-based line (jsonl/csv) or item number (json/parquet/hub)
-    question: str
+    row: int  # 1-based line (jsonl/csv) or item number (json/parquet/arrow/hub)
+    question: str  # the question text; for a conversational row its last user message
     answer: str
     meta: tuple  # sorted (key, value) pairs
+    messages: str | None = None  # a conversational row's prompt, as JSON (rows are cached and shared: kept immutable)
+
+
+# TRL's field names, used when data.question_field / data.answer_field keep their defaults and the data lacks them
+DEFAULT_FIELDS = {"question": ("prompt",), "answer": ("solution",)}
+# columns never passed to reward functions as data columns (TRL's rule: it passes these separately or not at all)
+NOT_COLUMNS = ("prompt", "completion", "completion_ids")
+ROLES = ("system", "user", "assistant")
 
 
 def _as_text(v: Any) -> tuple[str | None, str]:
@@ -94,6 +109,55 @@ def _as_text(v: Any) -> tuple[str | None, str]:
     if isinstance(v, (Decimal, Fraction)):
         return str(v), ""
     return None, f"a {type(v).__name__}, not text"
+
+
+def _as_messages(v: list) -> tuple[list | None, str]:
+    """(messages, "") for a conversational prompt (TRL's format: a list of {"role", "content"} with at least one
+    user message and not ending with an assistant turn), (None, reason) otherwise."""
+    if not v:
+        return None, "an empty list of messages"
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return None, (f"message {i} is not a {{'role': ..., 'content': <text>}} object (a conversational prompt "
+                          f"is a list of such messages)")
+        if m["role"] not in ROLES:
+            return None, f"message {i} has role {m['role']!r}; accepted: {', '.join(ROLES)}"
+        if any("\udc80" <= c <= "\udcff" for c in m["content"]):
+            return None, "not valid UTF-8"
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "user" for m in out):
+        return None, "a conversation without a user message"
+    if out[-1]["role"] == "assistant":
+        return None, "a conversation ending with an assistant message (a prefilled answer is not supported)"
+    if any(m["role"] == "system" for m in out[1:]):
+        return None, "a system message that is not the first message"
+    return out, ""
+
+
+def resolve_fields(keys, qf: str, af: str, where: str) -> tuple[str, str]:
+    """(question field, answer field): data.question_field / data.answer_field, or TRL's names (``prompt``,
+    ``solution``) when a field keeps its default name, the data lacks it and has TRL's."""
+    keys = set(keys)
+    out = []
+    for field_name, default in ((qf, "question"), (af, "answer")):
+        if field_name == default and field_name not in keys:
+            alt = next((a for a in DEFAULT_FIELDS[default] if a in keys), None)
+            if alt is not None:
+                log.info("%s: no field %r; using TRL's field %r (set data.%s_field to choose)", where, field_name,
+                         alt, default)
+                field_name = alt
+        out.append(field_name)
+    return out[0], out[1]
+
+
+def _field_keys(raw_rows: list[tuple[int, Any]], columns=None) -> set[str]:
+    keys: set[str] = set(columns or ())
+    if columns is None:
+        for _, raw in raw_rows[:2000]:
+            if isinstance(raw, dict):
+                keys.update(k for k in raw if isinstance(k, str))
+    return keys
 
 
 def gold_answer(text: str, style: str = "any") -> str | None:
@@ -127,8 +191,10 @@ def _level_of(v: Any) -> int | None:
     return None
 
 
-def _row_meta(raw: dict) -> tuple:
-    meta = {}
+def _row_meta(raw: dict, qf: str, af: str, gold: str) -> tuple:
+    """level (an int), family (from type/subject/family), the gold answer under the answer field's name, and every
+    other column under its own name (TRL passes a dataset's extra columns to reward functions)."""
+    meta = {af: gold}
     lv = _level_of(raw.get("level"))
     if lv is not None:
         meta["level"] = lv
@@ -136,6 +202,9 @@ def _row_meta(raw: dict) -> tuple:
         if isinstance(raw.get(k), str) and raw[k].strip():
             meta["family"] = raw[k].strip()
             break
+    for k, v in raw.items():
+        if isinstance(k, str) and k not in meta and k not in (qf, af) and k not in NOT_COLUMNS:
+            meta[k] = v
     return tuple(sorted(meta.items()))
 
 
@@ -149,7 +218,14 @@ def _validate_rows(raw_rows: list[tuple[int, Any]], qf: str, af: str, where: str
         if not isinstance(raw, dict):
             bad.append((n, f"a JSON {type(raw).__name__}, not an object"))
             continue
-        q, why_q = _as_text(raw.get(qf))
+        msgs = None
+        if isinstance(raw.get(qf), list):
+            msgs, why_q = _as_messages(raw[qf])
+            q = next((m["content"].strip() for m in reversed(msgs) if m["role"] == "user"), None) if msgs else None
+            if msgs is not None and not q:
+                q, why_q = None, "a conversation whose last user message is empty"
+        else:
+            q, why_q = _as_text(raw.get(qf))
         a, why_a = _as_text(raw.get(af))
         if q is None:
             bad.append((n, f"question field {qf!r} {why_q}"))
@@ -166,8 +242,12 @@ def _validate_rows(raw_rows: list[tuple[int, Any]], qf: str, af: str, where: str
             continue
         if max_question_chars and len(q) > max_question_chars:
             cut.append((n, len(q)))
+            if msgs is not None:  # the last user message is cut, as a question is
+                last = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+                msgs[last]["content"] = msgs[last]["content"][-max_question_chars:].strip()
             q = q[-max_question_chars:].strip()
-        rows.append(_Row(n, q, gold, _row_meta(raw)))
+        rows.append(_Row(n, q, gold, _row_meta(raw, qf, af, gold),
+                         None if msgs is None else json.dumps(msgs, ensure_ascii=False)))
     if cut:
         log.warning("%s: cut %d question(s) longer than data.max_question_chars=%d characters to their last %d "
                     "(first: row %d, %d characters)", where, len(cut), max_question_chars, max_question_chars,
@@ -190,11 +270,7 @@ def _check_bad(where: str, n_bad: int, total: int, first: str, what: str, max_ba
 
 
 def _check_fields(raw_rows: list[tuple[int, Any]], qf: str, af: str, where: str, columns=None) -> None:
-    keys: set[str] = set(columns or ())
-    if columns is None:
-        for _, raw in raw_rows[:2000]:
-            if isinstance(raw, dict):
-                keys.update(k for k in raw if isinstance(k, str))
+    keys = _field_keys(raw_rows, columns)
     if not keys:
         return
     missing = [f for f in (qf, af) if f not in keys]
@@ -228,7 +304,8 @@ def _select(rows: list[_Row], n: int | None, seed_tag: str, where: str, max_bad:
 
 def _to_examples(rows: list[_Row], prefix: str, source: str) -> list[Example]:
     return [Example(id=f"{prefix}/{r.row}", question=r.question, answer=r.answer,
-                    meta={"source": source, "row": r.row, **dict(r.meta)}) for r in rows]
+                    meta={"source": source, "row": r.row, **dict(r.meta)},
+                    messages=None if r.messages is None else json.loads(r.messages)) for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -255,9 +332,68 @@ def _read_jsonl_bytes(data: bytes) -> tuple[list[tuple[int, Any]], list[tuple[in
     return rows, bad, total
 
 
+def is_datasets_folder(path: Path) -> bool:
+    """A folder written by `datasets`' ``save_to_disk`` (a Dataset: state.json and .arrow files; or a DatasetDict:
+    dataset_dict.json and one folder per split)."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def _arrow_files(path: Path) -> list[Path]:
+    """The .arrow files of a file or a ``save_to_disk`` folder, in order (state.json lists them; JSON only)."""
+    if not path.is_dir():
+        return [path]
+    if (path / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits") or []
+        except (OSError, ValueError, AttributeError):
+            splits = []
+        example = path / (splits[0] if splits else "train")
+        raise DataError(f"data.dataset: {str(path)!r} is a DatasetDict saved with save_to_disk (splits: "
+                        f"{', '.join(map(str, splits)) or 'unknown'}); point data.dataset at one split's folder, "
+                        f"e.g. {str(example)!r} (one split is divided into train and eval like a file)")
+    try:
+        state = json.loads((path / "state.json").read_text())
+        files = [path / str(f["filename"]) for f in state.get("_data_files") or []]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        files = []
+    files = [f for f in files if f.is_file()] or sorted(path.glob("*.arrow"))
+    if not files:
+        raise DataError(f"data.dataset: {str(path)!r} has a state.json but no .arrow data files; save it again "
+                        f"with Dataset.save_to_disk")
+    return files
+
+
+def _read_arrow(path: Path):
+    """A pyarrow Table from Arrow IPC files (the stream format `datasets` writes, or the file format). Only
+    pyarrow reads them: nothing is unpickled."""
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise DataError(f"{path}: reading .arrow data needs pyarrow (pip install pyarrow)") from None
+    tables = []
+    for f in _arrow_files(path):
+        try:
+            with pa.memory_map(str(f)) as src:
+                try:
+                    tables.append(pa.ipc.open_stream(src).read_all())
+                except pa.ArrowInvalid:
+                    src.seek(0)
+                    tables.append(pa.ipc.open_file(src).read_all())
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{f}: not a readable Arrow file ({type(e).__name__}: {e})") from None
+    try:
+        return pa.concat_tables(tables)
+    except pa.ArrowException as e:
+        raise DataError(f"{path}: its .arrow files do not share one schema ({e})") from None
+
+
 def _read_file(path: Path, qf: str) -> tuple[list[tuple[int, Any]], list[tuple[int, str]], int, list | None, str]:
     """(rows, bad, total, columns or None, row label)."""
     suffix = path.suffix.lower()
+    if suffix == ".arrow" or path.is_dir():
+        table = _read_arrow(path)
+        records = table.to_pylist()
+        return [(i + 1, r) for i, r in enumerate(records)], [], len(records), table.column_names, "row"
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -315,6 +451,7 @@ def _load_file_rows(path_str: str, mtime_ns: int, size: int, qf: str, af: str,
     raw, bad, total, columns, label = _read_file(path, qf)
     if total == 0:
         raise DataError(f"{path}: no rows")
+    qf, af = resolve_fields(_field_keys(raw, columns), qf, af, str(path))
     _check_fields(raw, qf, af, str(path), columns)
     rows, bad2 = _validate_rows(raw, qf, af, str(path), "any", max_question_chars)
     bad = sorted(bad + bad2)
@@ -322,8 +459,9 @@ def _load_file_rows(path_str: str, mtime_ns: int, size: int, qf: str, af: str,
                "Fix or remove those rows, or raise data.max_bad_fraction.")
     seen, unique = set(), []
     for r in rows:
-        if r.question not in seen:
-            seen.add(r.question)
+        key = r.messages or r.question
+        if key not in seen:
+            seen.add(key)
             unique.append(r)
     if len(unique) < len(rows):
         log.info("%s: dropped %d rows that repeat an earlier question", path, len(rows) - len(unique))
@@ -338,18 +476,19 @@ def _directory_error(path: Path) -> DataError:
         inside = []
     hint = (f"; data files in it: {', '.join(inside[:10])}" + (", ..." if len(inside) > 10 else "")) if inside else (
         f"; it holds no {'/'.join(LOCAL_SUFFIXES)} file")
-    return DataError(f"data.dataset: {str(path)!r} is a directory, not a file; point data.dataset at one "
-                     f"{'/'.join(LOCAL_SUFFIXES)} file{hint}")
+    return DataError(f"data.dataset: {str(path)!r} is a directory, not a file nor a folder written by "
+                     f"save_to_disk; point data.dataset at one {'/'.join(LOCAL_SUFFIXES)} file{hint}")
 
 
 def _local(cfg, split: str, path: Path) -> list[Example]:
-    if path.is_dir():
+    if path.is_dir() and not is_datasets_folder(path):
         raise _directory_error(path)
-    if not path.is_file():
+    if not path.exists():
         where = "" if path.parent.is_dir() else f" (its folder {str(path.parent)!r} does not exist either)"
         raise DataError(f"data.dataset: file {str(path)!r} not found{where}")
-    st = path.stat()
-    rows, label = _load_file_rows(str(path.resolve()), st.st_mtime_ns, st.st_size, cfg.question_field,
+    stats = [f.stat() for f in _arrow_files(path)] if path.is_dir() else [path.stat()]
+    rows, label = _load_file_rows(str(path.resolve()), max(st.st_mtime_ns for st in stats),
+                                  sum(st.st_size for st in stats), cfg.question_field,
                                   cfg.answer_field, float(cfg.max_bad_fraction),
                                   int(getattr(cfg, "max_question_chars", 0) or 0))
     rows = list(rows)
@@ -448,6 +587,8 @@ def _hub(cfg, split: str, key: str) -> list[Example]:
                         f"Face hub ({type(e).__name__}: {msg}). {hint}") from None
     where = f"{spec['path']} ({hub_split})"
     raw = [(i, r) for i, r in enumerate(ds)]
+    if key not in HUB_DATASETS:
+        spec["question"], spec["answer"] = resolve_fields(ds.column_names, spec["question"], spec["answer"], where)
     _check_fields(raw, spec["question"], spec["answer"], where, list(ds.column_names))
     rows, bad = _validate_rows(raw, spec["question"], spec["answer"], where, spec["gold"],
                                int(getattr(cfg, "max_question_chars", 0) or 0))
@@ -472,10 +613,11 @@ def load_examples(cfg, split: str) -> list[Example]:
     if name in HUB_DATASETS or name.startswith("hf:"):
         return _hub(cfg, split, name)
     path = Path(os.path.expanduser(name))
-    if path.suffix.lower() in LOCAL_SUFFIXES:
+    if path.suffix.lower() in LOCAL_SUFFIXES or is_datasets_folder(path):
         return _local(cfg, split, path)
     accepted = (f"{', '.join(BUILTIN_TASKS)} (built in), {', '.join(HUB_DATASETS)} (hub), "
-                f"hf:owner/name[:config], or a path to a {'/'.join(LOCAL_SUFFIXES)} file")
+                f"hf:owner/name[:config], a path to a {'/'.join(LOCAL_SUFFIXES)} file, or a folder written by "
+                f"datasets' save_to_disk")
     if name and path.is_dir():
         raise _directory_error(path)
     if name and path.exists():

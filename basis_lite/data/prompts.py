@@ -1,4 +1,5 @@
-"""Prompt formatting: ``format_prompt(tokenizer, question, cfg.data)`` turns a question into the prompt text.
+"""Prompt formatting: ``format_prompt(tokenizer, question, cfg.data)`` turns a question (or a conversation, TRL's
+conversational format) into the prompt text.
 
 The tokenizer's chat template is rendered with a generation prompt; what a template does with system messages
 (whether it accepts them, and which default system prompt it inserts by itself) is probed once per template with
@@ -58,31 +59,50 @@ def _template_info(tokenizer) -> _TemplateInfo:
     return info
 
 
-def format_prompt(tokenizer, question: str, cfg) -> str:
-    """The prompt text for one question: the tokenizer's chat template with a generation prompt.
+def _conversation(question, instruction: str) -> list[dict]:
+    """The messages of one prompt: a question becomes one user message; a conversation (TRL's conversational
+    format) is copied. data.instruction goes at the end of the (last) user message."""
+    if isinstance(question, str):
+        convo = [{"role": "user", "content": question.strip()}]
+    else:
+        convo = [{"role": str(m["role"]), "content": str(m["content"])} for m in question]
+    if instruction:
+        last = max(i for i, m in enumerate(convo) if m["role"] == "user")
+        convo[last]["content"] = convo[last]["content"].strip() + " " + instruction
+    return convo
 
-    The user message is the question plus data.instruction; data.system_prompt becomes a system message only when
-    non-empty. With an empty system prompt no system text appears at all: a default system prompt that the
-    template inserts by itself (SmolLM2, Qwen2.5) is removed for ChatML templates (or replaced by an empty system
-    message for others). A template that rejects the system role gets the system prompt prepended to the user
-    message. Without a chat template: "Question: ...\\nAnswer:"."""
-    instruction = (cfg.instruction or "").strip()
-    content = question.strip() + (" " + instruction if instruction else "")
+
+def format_prompt(tokenizer, question, cfg) -> str:
+    """The prompt text for one question (a string) or conversation (a list of {"role", "content"} messages, TRL's
+    conversational format): the tokenizer's chat template with a generation prompt.
+
+    The (last) user message gets data.instruction appended. A conversation that brings its own system message is
+    rendered as it is. Otherwise data.system_prompt becomes a system message only when non-empty. With an empty
+    system prompt no system text appears at all: a default system prompt that the template inserts by itself
+    (SmolLM2, Qwen2.5) is removed for ChatML templates (or replaced by an empty system message for others). A
+    template that rejects the system role gets the system prompt prepended to the first user message. Without a
+    chat template: "Question: ...\\nAnswer:" (the messages' contents joined by blank lines)."""
+    convo = _conversation(question, (cfg.instruction or "").strip())
     system = (cfg.system_prompt or "").strip()
     if not getattr(tokenizer, "chat_template", None):
+        if convo[0]["role"] == "system":
+            system, convo = convo[0]["content"].strip(), convo[1:]
         head = f"{system}\n\n" if system else ""
-        return f"{head}Question: {content}\nAnswer:"
+        return f"{head}Question: " + "\n\n".join(m["content"] for m in convo) + "\nAnswer:"
+    if convo[0]["role"] == "system":
+        return _render(tokenizer, convo)
     info = _template_info(tokenizer)
-    user = {"role": "user", "content": content}
     if system:
         if info.supports_system:
-            return _render(tokenizer, [{"role": "system", "content": system}, user])
-        return _render(tokenizer, [{"role": "user", "content": f"{system}\n\n{content}"}])
+            return _render(tokenizer, [{"role": "system", "content": system}, *convo])
+        first = next(i for i, m in enumerate(convo) if m["role"] == "user")
+        convo[first] = {"role": "user", "content": f"{system}\n\n{convo[first]['content']}"}
+        return _render(tokenizer, convo)
     if info.default_system is None:
-        return _render(tokenizer, [user])
+        return _render(tokenizer, convo)
     if info.strip_block is not None:
-        return _render(tokenizer, [user]).replace(info.strip_block, "", 1)
-    return _render(tokenizer, [{"role": "system", "content": ""}, user])
+        return _render(tokenizer, convo).replace(info.strip_block, "", 1)
+    return _render(tokenizer, [{"role": "system", "content": ""}, *convo])
 
 
 def _jinja_str(text: str) -> str:
