@@ -378,7 +378,7 @@ def start(cfg) -> Ranks:
     """The ranks of this run: `Ranks()` without a launcher, else the process group (initialised here)."""
     if not launched():
         return Ranks()
-    from .models import resolve_device
+    from .dtypes import resolve_device
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .config import Config
-from .models import resolve_device, resolve_dtype
+from .dtypes import resolve_device, resolve_dtype
 
 
 def seed_everything(seed: int) -> None:

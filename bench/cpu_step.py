@@ -772,8 +772,9 @@ def run_child(spec: dict) -> dict:
 
     from basis_lite.config import load_config
     from basis_lite.data import PromptSampler, format_prompt, load_examples
+    from basis_lite.dtypes import resolve_device, resolve_dtype
     from basis_lite.estimators import get_estimator
-    from basis_lite.models import load_policy, resolve_device, resolve_dtype
+    from basis_lite.models import load_policy
     from basis_lite.rewards import RewardScorer
     from basis_lite.runtime import make_engine, seed_everything
     from basis_lite.step import Step
@@ -1096,7 +1097,7 @@ def main(argv=None) -> int:
         raise SystemExit("bench/cpu_step.py measures the CPU; use a CPU preset or --set device=cpu")
     import torch
 
-    from basis_lite.models import resolve_device, resolve_dtype
+    from basis_lite.dtypes import resolve_device, resolve_dtype
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

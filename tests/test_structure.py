@@ -21,7 +21,7 @@ LAYERS = [
      "rewards", "reward_worker", "eapo", "metrics", "plot"},
     # model loading, engines, distributed, updates, checkpoints, export
     {"models", "unsloth_backend", "engines", "engines.base", "engines.hf", "engines.seeded", "engines.trajectory",
-     "engines.vllm", "distributed", "update", "checkpoint", "plan", "export_check", "step", "run_folder"},
+     "engines.vllm", "distributed", "update", "checkpoint", "plan", "export_check", "step", "run_folder", "dtypes"},
     # assembly
     {"runtime", "evaluate", "priors", "runs", "trainer", "export", "gguf_export"},
     {"cli", "__main__", "__init__"},
