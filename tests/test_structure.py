@@ -17,7 +17,7 @@ LAYERS = [
     {"estimators", "estimators.basis_options", "estimators.probe_options", "loss_specs", "config_keys", "config"},
     # numerics: losses, estimators' functions, data, rewards
     {"losses", "estimators.base", "estimators.simple", "estimators.basis_blocks", "estimators.basis",
-     "estimators.probe", "estimators.poise", "data", "data.example", "data.loading", "data.prompts", "data.sampler",
+     "estimators.probe", "estimators.poise", "data", "data.example", "data.rows", "data.loading", "data.prompts", "data.sampler",
      "rewards", "reward_worker", "eapo", "metrics", "plot"},
     # model loading, engines, distributed, updates, checkpoints, export
     {"models", "unsloth_backend", "engines", "engines.base", "engines.hf", "engines.seeded", "engines.trajectory",
