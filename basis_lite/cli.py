@@ -294,10 +294,27 @@ def main(argv: list[str] | None = None) -> int:
         print(str(e) if str(e) else f"stopped by {sig}", file=sys.stderr)
         return 143 if sig == "SIGTERM" else 130
     except (OSError, RuntimeError) as e:
-        if is_disk_full(e, Path.cwd()):  # a write the code did not expect to fail: one message, exit 2
-            print(f"error: {disk_full_error(args.command, Path.cwd(), e)}", file=sys.stderr)
+        target = _write_target(args, e)
+        if is_disk_full(e, target):  # a write the code did not expect to fail: one message, exit 2
+            print(f"error: {disk_full_error(args.command, target, e)}", file=sys.stderr)
             return EXIT_USAGE
         raise
+
+
+def _write_target(args, e: BaseException) -> Path:
+    """Where a failed write went: the file the error names, else the command's output (the run folder, --out),
+    else the working directory."""
+    for _ in range(8):
+        if e is None:
+            break
+        if getattr(e, "filename", None):
+            return Path(e.filename)
+        e = e.__cause__ or e.__context__
+    for key in ("out", "output", "resume", "run_dir", "target"):
+        value = getattr(args, key, None)
+        if value:
+            return Path(value)
+    return Path.cwd()
 
 
 if __name__ == "__main__":

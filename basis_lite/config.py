@@ -26,6 +26,7 @@ import yaml
 from .config_fields import Range, choices_of, help_text, must_be_set, range_of, refused_names, trl_name
 from .config_keys import (
     CHECKS,
+    MAX_SEQUENCES,
     MIN_PROMPT_TOKENS,
     Config,
     DataConfig,
@@ -43,7 +44,7 @@ __all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "GenerationConfi
            "TrainConfig", "EapoConfig", "ConfigError", "MIN_PROMPT_TOKENS", "Range", "FIELDS", "ALIASES", "REFUSED",
            "HELP", "RANGES", "CHOICES", "PRESET_DIR", "DEFAULT_PRESET", "cache_root", "all_keys", "get", "validate",
            "load_config", "load_config_file", "from_dict", "to_dict", "save_config", "describe_config", "preset_path",
-           "list_presets", "preset_summary"]
+           "list_presets", "preset_summary", "read_yaml", "MAX_SEQUENCES"]
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,8 @@ def _nest(key: str, value: Any) -> dict:
 def preset_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") and p.exists():
+        if not p.is_file():
+            raise ConfigError(f"preset {name_or_path!r} is not a file; give a .yaml file or a preset name")
         return p
     cand = PRESET_DIR / f"{name_or_path}.yaml"
     if cand.exists():
@@ -231,10 +234,7 @@ def load_config(preset: str | None = None, overrides: list[str] | None = None, d
     if data is None:
         name = preset or DEFAULT_PRESET
         path = preset_path(name)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"preset {path}: not valid YAML ({e})") from None
+        data = read_yaml(path, "preset") or {}
         cfg.preset = name
     _merge(cfg, data)
     for item in overrides or []:
@@ -323,13 +323,38 @@ def describe_config(cfg: Config, width: int = 116) -> str:
     return "\n".join(lines) + "\n"
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_yaml(path: Path, what: str = "") -> Any:
+    """The YAML in a config or preset file; ConfigError naming the file when it cannot be read, is larger than
+    MAX_CONFIG_BYTES, is not UTF-8 text (a binary file), is not YAML or is nested past the parser's limit."""
+    name = f"{what} {path}".strip()
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{name}: larger than {MAX_CONFIG_BYTES >> 20} MiB; a config file is a short YAML text")
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{name}: not a text file (not UTF-8); a config file is YAML text such as the output "
+                          f"of `basis-lite config`") from None
+    if "\x00" in text:
+        raise ConfigError(f"{name}: not a text file (it holds NUL bytes); a config file is YAML text")
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{name}: not valid YAML ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{name}: nested too deeply to be a config") from None
+
+
 def load_config_file(path: str | os.PathLike) -> Config:
     """A resolved config saved by a run (RUN_DIR/config.yaml, adapter/basis_lite_config.yaml), validated."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
     return from_dict(data)

@@ -26,7 +26,10 @@ class Range:
     hi_open: bool = False
 
     def contains(self, v: float) -> bool:
-        if not math.isfinite(v):
+        try:
+            if not math.isfinite(v):
+                return False
+        except OverflowError:  # an int too large for a float
             return False
         if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
             return False

@@ -24,6 +24,9 @@ from .errors import ConfigError
 from .estimators import estimator_names, get_estimator
 from .loss_specs import LEVELS, aggregation_names, check_loss_config, loss_names
 
+# integer keys have an upper bound far beyond any run that fits one machine, so that a typo (an extra digit, a
+# pasted number) is refused at load instead of running for ever
+MAX_SEQUENCES = 65536  # sequences in one step (train.batch_size x estimator.rollouts_per_prompt), and batch sizes
 MIN_PROMPT_TOKENS = 16  # runtime.make_engine leaves prompts at least this many of model.max_seq_length
 
 
@@ -39,7 +42,8 @@ class ModelConfig:
                          choices=("auto", "float32", "bfloat16", "float16"))
     load_in_4bit: bool = setting(False, "load the frozen base in bitsandbytes NF4 with double quantization (GPU "
                                  "presets)")
-    max_seq_length: int = setting(512, "prompt + completion tokens; longer prompts lose their start", range=AT_LEAST_1)
+    max_seq_length: int = setting(512, "prompt + completion tokens; longer prompts lose their start",
+                                  range=Range(1, 1 << 20))
     gradient_checkpointing: bool = setting(True, "recompute activations in the backward pass (less memory, more time); "
                                            "off while generating")
     fast_inference: bool = setting(True, "unsloth backend only: an in-process vLLM sharing the 4-bit weights")
@@ -52,7 +56,7 @@ class ModelConfig:
 
 @dataclass
 class LoraConfig:
-    r: int = setting(16, "LoRA rank", range=AT_LEAST_1)
+    r: int = setting(16, "LoRA rank", range=Range(1, 4096))
     alpha: int = setting(32, "LoRA alpha; the adapter's output is scaled by alpha / r", range=POS)
     dropout: float = setting(0.0, "dropout on the LoRA input while training", range=Range(0, 1, hi_open=True))
     target_modules: Any = setting("all-linear", "'all-linear' or a list of module names such as [q_proj, v_proj]")
@@ -71,8 +75,8 @@ class DataConfig:
                            "| a local .jsonl/.json/.csv/.parquet file", nonempty=True)
     levels: list = setting([1, 2], "built-in tasks: the difficulty levels to draw from")
     train_size: int = setting(2000, "training problems: a count for built-in tasks; a cap for hub datasets and files "
-                              "(0 = all)", range=NONNEG)
-    eval_size: int = setting(200, "held-out problems for eval (0 = no eval)", range=NONNEG)
+                              "(0 = all)", range=Range(0, 10_000_000))
+    eval_size: int = setting(200, "held-out problems for eval (0 = no eval)", range=Range(0, 1_000_000))
     question_field: str = setting("question", "hf: datasets and files: the field holding the question", nonempty=True)
     answer_field: str = setting("answer", "hf: datasets and files: the field holding the answer (text after ####, or "
                                 "the last \\boxed{}, is the gold answer)", nonempty=True)
@@ -82,10 +86,11 @@ class DataConfig:
     instruction: str = setting("Put the final answer in \\boxed{}.", "appended to every question")
     max_bad_fraction: float = setting(0.05, "stop loading when more than this share of rows is malformed (below it "
                                       "they are skipped and counted)", range=Range(0, 1))
-    seed: int = setting(1234, "seed of the built-in tasks' draw and of the train/eval split of files", range=ANY)
+    seed: int = setting(1234, "seed of the built-in tasks' draw and of the train/eval split of files",
+                        range=Range(-(2**63), 2**63 - 1))
     max_question_chars: int = setting(20000, "longer questions are cut to their last N characters when loaded, before "
                                       "tokenizing (0 = no limit); prompts keep at most model.max_seq_length tokens "
-                                      "anyway", range=NONNEG)
+                                      "anyway", range=Range(0, 100_000_000))
 
 
 _HF_DATASET = re.compile(r"hf:[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
@@ -117,10 +122,12 @@ class GenerationConfig:
                           "on a GPU)", choices=("hf", "vllm"))
     temperature: float = setting(1.0, "sampling temperature of the rollouts (the loss uses the same one)", range=POS)
     top_p: float = setting(1.0, "nucleus sampling (1 = off)", range=Range(0, 1, lo_open=True))
-    top_k: int = setting(0, "top-k sampling (0 = off; -1 is read as 0, vLLM's and TRL's 'off')", range=Range(-1))
+    top_k: int = setting(0, "top-k sampling (0 = off; -1 is read as 0, vLLM's and TRL's 'off')",
+                         range=Range(-1, 10_000_000))
     max_new_tokens: int = setting(64, "completion tokens per rollout (TRL: max_completion_length)",
-                                  range=AT_LEAST_1, trl="max_completion_length")
-    batch_size: int = setting(64, "prompts per generate() call (per rank under torchrun)", range=AT_LEAST_1)
+                                  range=Range(1, 1 << 20), trl="max_completion_length")
+    batch_size: int = setting(64, "prompts per generate() call (per rank under torchrun)",
+                              range=Range(1, MAX_SEQUENCES))
     rng: str = setting("auto", "where sampling randomness comes from: global (torch's RNG) | per_prompt (each prompt "
                        "of a step its own stream, so rollouts do not depend on batching or the number of ranks; "
                        "EAPO-injected rollouts still draw from torch's RNG) | auto (per_prompt under torchrun)",
@@ -149,7 +156,7 @@ class RewardConfig:
                               "and rewards)")
     function_weights: list = setting([], "one weight per function (default 1.0 each)")
     timeout_s: float = setting(10.0, "per-batch limit of one reward function; past it the worker is restarted and the "
-                               "batch scores 0 (0 = run them in the trainer process, no limit)", range=NONNEG)
+                               "batch scores 0 (0 = run them in the trainer process, no limit)", range=Range(0, 86_400))
 
 
 def _check_reward(cfg: Config) -> None:
@@ -188,9 +195,9 @@ def _rollouts_help() -> str:
 @dataclass
 class EstimatorConfig:
     name: str = setting("basis", _estimator_help, choices=estimator_names)
-    rollouts_per_prompt: int = setting(1, _rollouts_help, range=AT_LEAST_1, trl="num_generations")
+    rollouts_per_prompt: int = setting(1, _rollouts_help, range=Range(1, 1024), trl="num_generations")
     prior_samples: int = setting(0, "basis: K reference rollouts per training prompt before training for the offline "
-                                 "prior (0 = none; cached)", range=NONNEG)
+                                 "prior (0 = none; cached)", range=Range(0, 1024))
     use_features: bool = setting(True, "basis: pool other prompts' rewards by the similarity of the policy's prompt "
                                  "hidden states")
     history: bool = setting(False, "basis: refine the prior with this run's earlier rewards of the same prompt")
@@ -233,14 +240,15 @@ _REFUSE_ACCUMULATION = {"gradient_accumulation_steps": (
 
 @dataclass
 class TrainConfig:
-    steps: int = setting(40, "optimizer steps (TRL: max_steps)", range=AT_LEAST_1, trl="max_steps")
+    steps: int = setting(40, "optimizer steps (TRL: max_steps)", range=Range(1, 10_000_000), trl="max_steps")
     batch_size: int = setting(32, "PROMPTS per step; each gets estimator.rollouts_per_prompt completions (TRL's "
-                              "per_device_train_batch_size counts completions)", range=AT_LEAST_1, refuse=_REFUSE_BATCH)
+                              "per_device_train_batch_size counts completions)",
+                              range=Range(1, MAX_SEQUENCES), refuse=_REFUSE_BATCH)
     micro_batch_size: int = setting(8, "sequences per forward/backward; gradient accumulation covers the rest",
-                                    range=AT_LEAST_1, refuse=_REFUSE_ACCUMULATION)
+                                    range=Range(1, MAX_SEQUENCES), refuse=_REFUSE_ACCUMULATION)
     lr: float = setting(2e-4, "peak learning rate (TRL: learning_rate)", range=POS, trl="learning_rate")
     weight_decay: float = setting(0.0, "AdamW weight decay", range=NONNEG)
-    warmup_steps: int = setting(2, "linear warmup steps", range=NONNEG)
+    warmup_steps: int = setting(2, "linear warmup steps", range=Range(0, 10_000_000))
     schedule: str = setting("cosine", "learning-rate schedule after warmup: cosine (down to 10%) | constant",
                             choices=("cosine", "constant"))
     max_grad_norm: float = setting(1.0, "the gradient norm is clipped to this value", range=POS)
@@ -265,23 +273,23 @@ class TrainConfig:
     kl_coef: float = setting(0.0, "k3 KL to the reference (the base, adapter disabled); 0 = off, no extra forward "
                              "(TRL: beta)", range=NONNEG, trl="beta")
     ppo_epochs: int = setting(1, "optimizer steps (passes) over each batch of rollouts; > 1 reuses them and the clip "
-                              "acts", range=AT_LEAST_1)
+                              "acts", range=Range(1, 100))
     mismatch_correction: Any = setting("auto", "truncated importance weights between the engine's and the trainer's "
                                        "log-probs: auto (on for vLLM engines) | always | never",
                                        choices=("auto", "always", "never"))
     mismatch_cap: float = setting(3.0, "cap of those importance weights (>= 1)", range=AT_LEAST_1)
     logprob_chunk_size: int = setting(1024, "tokens per chunk of the lm_head + log-softmax (never the full [B, T, V] "
-                                      "fp32 tensor)", range=AT_LEAST_1)
+                                      "fp32 tensor)", range=Range(1, 1 << 24))
     eval_every: int = setting(0, "greedy held-out eval every N steps (0 = only before and after training)",
-                              range=NONNEG)
-    eval_batch_size: int = setting(64, "prompts per generate() call in eval", range=AT_LEAST_1)
-    eval_max_new_tokens: int = setting(64, "completion tokens in eval", range=AT_LEAST_1)
-    save_every: int = setting(10, "checkpoint every N steps (and at the end)", range=AT_LEAST_1)
-    keep_last: int = setting(2, "checkpoints kept", range=AT_LEAST_1)
+                              range=Range(0, 10_000_000))
+    eval_batch_size: int = setting(64, "prompts per generate() call in eval", range=Range(1, MAX_SEQUENCES))
+    eval_max_new_tokens: int = setting(64, "completion tokens in eval", range=Range(1, 1 << 20))
+    save_every: int = setting(10, "checkpoint every N steps (and at the end)", range=Range(1, 10_000_000))
+    keep_last: int = setting(2, "checkpoints kept", range=Range(1, 10_000))
     max_bad_steps: int = setting(3, "abort after this many non-finite losses in a row (each one is skipped)",
-                                 range=AT_LEAST_1)
+                                 range=Range(1, 10_000_000))
     seed: int = setting(0, "seed of sampling, prompt order and the LoRA init", range=Range(0, 2**32 - 1))
-    threads: int = setting(0, "torch CPU threads (0 = all cores)", range=NONNEG)
+    threads: int = setting(0, "torch CPU threads (0 = all cores)", range=Range(0, 4096))
     report_to: list = setting([], "extra loggers besides metrics.jsonl: [tensorboard, wandb]")
     wandb_project: str = setting("", "W&B project ('' = $WANDB_PROJECT, else basis-lite)")
 
@@ -289,12 +297,16 @@ class TrainConfig:
 def _check_train(cfg: Config) -> None:
     """The loss, its aggregation and level together (TRL names read as ours), the loggers, and the micro-batch capped
     at the step's sequence count."""
-    t = cfg.train
+    t, e = cfg.train, cfg.estimator
     check_loss_config(t)
+    if t.batch_size * e.rollouts_per_prompt > MAX_SEQUENCES:
+        raise ConfigError(f"train.batch_size x estimator.rollouts_per_prompt: {t.batch_size} x {e.rollouts_per_prompt} "
+                          f"= {t.batch_size * e.rollouts_per_prompt} sequences per step; at most {MAX_SEQUENCES} are "
+                          f"accepted")
     bad = [x for x in t.report_to if x not in ("tensorboard", "wandb")]
     if bad:
         raise ConfigError(f"train.report_to: {bad} not accepted; choose from tensorboard, wandb")
-    t.micro_batch_size = min(t.micro_batch_size, t.batch_size * cfg.estimator.rollouts_per_prompt)
+    t.micro_batch_size = min(t.micro_batch_size, t.batch_size * e.rollouts_per_prompt)
 
 
 @dataclass

@@ -46,19 +46,29 @@ def load_prior_adapter(model, path: str) -> str:
     The trained adapter stays active and trainable; `model.save_pretrained` keeps saving only the active adapter,
     so checkpoints and the final adapter never carry the prior. Returns the prior's adapter name.
     """
+    from .checkpoint import Unusable, adapter_problem, check_adapter_tensors, load_adapter_tensors
+
     folder = Path(path).expanduser()
     if not (folder / "adapter_config.json").is_file():
         raise ModelError(f"eapo.prior_adapter: {path!r} is not a peft adapter folder (no adapter_config.json); "
                          "give the adapter/ folder of an earlier run on the same base model, or '' to turn EAPO off")
+    why = adapter_problem(folder)  # checked before peft reads it: a folder without weights is never a hub id
+    if why is not None:
+        raise ModelError(f"eapo.prior_adapter: {path!r} is not a usable adapter ({why}); give the adapter/ folder "
+                         f"of an earlier run on the same base model, or '' to turn EAPO off")
     if not hasattr(model, "load_adapter") or not hasattr(model, "active_adapter"):
         raise ModelError("eapo.prior_adapter needs a peft model (model.backend: hf)")
     trained = model.active_adapter
     before = {n for n, p in model.named_parameters() if p.requires_grad}
     try:
+        from peft import get_peft_model_state_dict
+
         model.load_adapter(str(folder), adapter_name=PRIOR_ADAPTER, is_trainable=False)
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise ModelError(f"eapo.prior_adapter: {path!r} does not load onto this base model ({e}); the prior must be "
-                         "a LoRA adapter trained on the same base (model.name)") from None
+        check_adapter_tensors(load_adapter_tensors(folder), get_peft_model_state_dict(model, adapter_name=PRIOR_ADAPTER))
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, OSError, Unusable) as e:
+        raise ModelError(f"eapo.prior_adapter: {path!r} does not load onto this base model ({type(e).__name__}: "
+                         f"{str(e)[:300]}); the prior must be a LoRA adapter trained on the same base "
+                         f"(model.name)") from None
     for n, p in model.named_parameters():
         if PRIOR_ADAPTER in n:
             p.requires_grad_(False)

@@ -265,8 +265,9 @@ SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32
 
 def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "auto",
                   tolerance: float | None = None, n_prompts: int = CHECK_PROMPTS) -> dict:
-    from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .checkpoint import load_peft_adapter
 
     t0 = time.time()
     base_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
@@ -286,7 +287,7 @@ def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "aut
         log.info("the run trained over a 4-bit base; merging into a float32 copy of the base instead")
     tok = _load_base_tokenizer(base_path, cfg)  # with the chat template that renders the training prompts
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)  # full precision, CPU
-    model = PeftModel.from_pretrained(base, str(target.adapter))
+    model = load_peft_adapter(base, target.adapter)
     model.eval()
 
     texts = check_texts(cfg, tok, n_prompts)

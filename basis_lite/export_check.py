@@ -150,6 +150,6 @@ def run_line(cfg: Config, run_dir: Path) -> str:
         if "accuracy" in after:
             line += (f"\n\nHeld-out greedy accuracy (n={after.get('n')}): "
                      f"{before.get('accuracy', float('nan')):.3f} before training, {after['accuracy']:.3f} after.")
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
         pass
     return line

@@ -49,7 +49,7 @@ def read_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict], int]:
                 continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # a cut line, or one nested past the parser's limit
                 skipped += 1
                 continue
             if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)):
@@ -73,7 +73,7 @@ def truncate_after(path: Path, last_step: int) -> None:
     for line in path.read_text().splitlines():
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue  # a line cut by the kill
         if isinstance(rec, dict) and rec.get("step", 0) <= last_step and rec.get("event") != "eval_final":
             keep.append(line)

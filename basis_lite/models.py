@@ -285,7 +285,7 @@ def load_policy(cfg, device: torch.device, dtype: torch.dtype, adapter_path: str
 
     `adapter_path` loads a saved adapter as trainable (resume) instead of a fresh one.
     """
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
@@ -319,7 +319,9 @@ def load_policy(cfg, device: torch.device, dtype: torch.dtype, adapter_path: str
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     if adapter_path:
-        model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
+        from .checkpoint import load_peft_adapter  # checked before and after; never looked for on the hub
+
+        model = load_peft_adapter(model, adapter_path, is_trainable=True)
     else:
         lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                           target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")

@@ -35,6 +35,7 @@ from pathlib import Path
 from .errors import ConfigError
 from .metrics import FILE as METRICS_FILE
 from .metrics import read_metrics
+from .safeio import check_run_folder
 
 MIN_SMOOTH_POINTS = 5
 RAW_ALPHA = 0.35
@@ -178,6 +179,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Plots:
         raise ConfigError("`basis-lite plot` needs matplotlib: pip install 'basis-lite[plot]'") from None
     run_dir = Path(run_dir)
     metrics = run_dir / METRICS_FILE
+    check_run_folder(run_dir)  # no link out of the run folder: plots/ and metrics.jsonl stay inside it
     if not metrics.is_file():
         what = "no such folder" if not run_dir.exists() else "no metrics.jsonl there"
         raise ConfigError(f"{run_dir}: {what}; `basis-lite plot` takes a run folder written by `basis-lite train`")

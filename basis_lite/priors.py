@@ -133,8 +133,8 @@ def _read_table(path: Path, key: str, ids: list[str], k: int) -> tuple[dict | No
     """(the cached table, "") when `path` holds a complete prior for these ids, else (None, why not)."""
     try:
         table = json.loads(path.read_text())
-    except (ValueError, OSError) as e:
-        return None, f"{type(e).__name__}: {e}"
+    except (ValueError, OSError, RecursionError) as e:
+        return None, f"{type(e).__name__}"
     if not isinstance(table, dict) or table.get("key") != key or table.get("k") != k:
         return None, "not the prior of this key"
     counts = table.get("counts")

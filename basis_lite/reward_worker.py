@@ -6,6 +6,7 @@ them in this process instead (``load_all`` + ``call_user_fn``).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import multiprocessing
 import os
@@ -40,7 +41,38 @@ def _cwd_on_path() -> None:
         sys.path.append(cwd)
 
 
-def load_reward_function(spec: str) -> Callable:
+def _refuse_code_from(mod_name: str, spec: str, refused_dirs: Sequence) -> None:
+    """Keep code inside `refused_dirs` (a resumed run's folder) from being imported: a module that would be found
+    inside one is a RewardError, raised before anything of it runs, and their entries leave sys.path (the working
+    directory too, when it lies inside one), so that nothing a module imports comes from there either."""
+    from pathlib import Path
+
+    bases = [Path(d).resolve() for d in refused_dirs]
+    if not bases:
+        return
+
+    def refused(p) -> bool:
+        try:
+            r = Path(p or os.getcwd()).resolve()
+        except (OSError, RuntimeError):
+            return False
+        return any(r == b or b in r.parents for b in bases)
+
+    try:
+        found = importlib.util.find_spec(mod_name.split(".")[0])  # finds, runs nothing
+    except (ImportError, ValueError):
+        found = None
+    sys.path[:] = [p for p in sys.path if not refused(p)]
+    where = [found.origin] if found and found.origin else []
+    where += list(found.submodule_search_locations or []) if found else []
+    bad = [w for w in where if refused(w)]
+    if bad:
+        raise RewardError(f"reward function {spec!r}: module {mod_name!r} would be imported from {bad[0]}, inside "
+                          f"the run folder being resumed; a resumed run never imports code that came inside its "
+                          f"folder. Install the module, or put it on PYTHONPATH outside the run folder")
+
+
+def load_reward_function(spec: str, refused_dirs: Sequence = ()) -> Callable:
     """Import ``"package.module:function"`` and return the callable; RewardError naming the spec otherwise.
 
     The working directory is searched last (see ``_cwd_on_path``). The RewardScorer calls this only inside its
@@ -51,6 +83,7 @@ def load_reward_function(spec: str) -> Callable:
     if not mod_name or not attr:
         raise RewardError(f"reward function {spec!r}: expected the form 'package.module:function'")
     _cwd_on_path()
+    _refuse_code_from(mod_name, spec, refused_dirs)
     try:
         module = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
@@ -128,6 +161,8 @@ def call_user_fn(fn: Callable, plan: CallPlan, kwargs: dict) -> tuple[str, Any]:
         out = fn(**plan.select(kwargs))
     except (Exception, SystemExit) as e:
         return "error", f"raised {type(e).__name__}: {e}{_where(e)}"
+    if isinstance(out, (dict, str, bytes, set, frozenset)) or hasattr(out, "keys"):
+        return "error", f"returned a {type(out).__name__}, expected a list of floats (one per completion)"
     try:
         out = list(out)
     except Exception:
@@ -148,19 +183,19 @@ def call_user_fn(fn: Callable, plan: CallPlan, kwargs: dict) -> tuple[str, Any]:
     return "ok", vals
 
 
-def load_all(specs: list, available: list) -> tuple[dict, dict]:
+def load_all(specs: list, available: list, refused_dirs: Sequence = ()) -> tuple[dict, dict]:
     """({spec: (fn, CallPlan)}, {spec: error message}): every function imported and its signature checked."""
     fns, errors = {}, {}
     for spec in specs:
         try:
-            fn = load_reward_function(spec)
+            fn = load_reward_function(spec, refused_dirs)
             fns[spec] = (fn, check_signature(spec, fn, available))
         except RewardError as e:
             errors[spec] = str(e)
     return fns, errors
 
 
-def _worker_main(conn, specs: list, available: list) -> None:
+def _worker_main(conn, specs: list, available: list, refused_dirs: Sequence = ()) -> None:
     """Reward worker loop (runs in a spawned process): import the functions and check their signatures, then serve
     calls until EOF/None. The only place user reward code is imported and run (unless reward.timeout_s is 0)."""
     try:
@@ -170,7 +205,7 @@ def _worker_main(conn, specs: list, available: list) -> None:
     fns, errors = {}, {}
     for spec in specs:
         conn.send(("loading", spec))  # so that a crash during the import names the module
-        f, err = load_all([spec], available)
+        f, err = load_all([spec], available, refused_dirs)
         fns.update(f)
         errors.update(err)
     conn.send(("ready", errors))
@@ -195,10 +230,11 @@ def _worker_main(conn, specs: list, available: list) -> None:
 class Worker:
     """One spawned process that runs user reward functions; killed and replaced after a hang or a crash."""
 
-    def __init__(self, specs: list, available: list):
+    def __init__(self, specs: list, available: list, refused_dirs: Sequence = ()):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, list(specs), list(available)), daemon=True,
+        self.proc = ctx.Process(target=_worker_main, args=(child, list(specs), list(available),
+                                                           [str(d) for d in refused_dirs]), daemon=True,
                                 name="basis-lite-reward-worker")
         self.proc.start()
         child.close()

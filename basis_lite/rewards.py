@@ -10,7 +10,8 @@ Built-in rewards (always computed, so they can be logged even with weight 0):
 - ``format_reward(completion)``: 1.0 when a non-empty ``\\boxed{...}`` is present.
 
 User reward functions are given in the config as ``"package.module:function"`` strings (a module in the
-working directory is found without ``PYTHONPATH=.``) and are called batched with keyword arguments, TRL's
+working directory is found without ``PYTHONPATH=.``; a resumed run never imports one from inside its run folder,
+see ``reward_worker._refuse_code_from``) and are called batched with keyword arguments, TRL's
 convention::
 
     def my_reward(completions, answers, **kwargs) -> list[float]:               # basis-lite's names
@@ -138,8 +139,9 @@ class RewardScorer:
     or a parameter that would get no value raises RewardError here, before training. Use as a context manager
     (or call close()) to stop the worker."""
 
-    def __init__(self, cfg, columns: Sequence[str] = ()):
+    def __init__(self, cfg, columns: Sequence[str] = (), refused_dirs: Sequence = ()):
         self.cfg = cfg
+        self.refused_dirs = [str(d) for d in refused_dirs]  # nothing is imported from inside these (a resumed run)
         self.specs: list[str] = list(cfg.functions or [])
         weights = list(cfg.function_weights or [])
         if weights and len(weights) != len(self.specs):
@@ -164,9 +166,9 @@ class RewardScorer:
         if not unique:
             return
         if self.timeout_s <= 0:  # asked for: user code in this process, no isolation
-            self._fns, errors = load_all(unique, self.available)
+            self._fns, errors = load_all(unique, self.available, self.refused_dirs)
         else:
-            self._worker = Worker(unique, self.available)
+            self._worker = Worker(unique, self.available, self.refused_dirs)
             err = self._worker.wait_ready()
             if err:
                 self.close()
@@ -190,7 +192,7 @@ class RewardScorer:
         if self.timeout_s <= 0:
             return call_user_fn(*self._fns[spec], kwargs)
         if self._worker is None:
-            self._worker = Worker(list(dict.fromkeys(self.specs)), self.available)
+            self._worker = Worker(list(dict.fromkeys(self.specs)), self.available, self.refused_dirs)
         status, payload = self._worker.call(spec, kwargs, self.timeout_s)
         if status == "dead":
             self._worker.close(graceful=False)

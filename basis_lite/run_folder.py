@@ -11,7 +11,7 @@ from . import checkpoint as ckpt
 from .config import Config
 from .distributed import Ranks
 from .errors import ConfigError
-from .safeio import RunLock, held_by_other
+from .safeio import RunLock, check_run_folder, held_by_other, read_json
 
 
 def claim_on_main(cfg: Config, run_dir, resume: bool, ranks: Ranks):
@@ -23,7 +23,8 @@ def claim_on_main(cfg: Config, run_dir, resume: bool, ranks: Ranks):
     if ranks.is_main:
         try:
             folder, created = claim_run_dir(cfg, run_dir, resume)
-            lock = RunLock(folder).acquire()
+            check_run_folder(folder)  # no link out of it: nothing below is read or written elsewhere
+            lock = _lock(folder)
             done = finished_summary(folder, cfg) if resume else None
             msg = {"dir": str(folder), "done": done is not None}
         except ConfigError as e:
@@ -38,6 +39,14 @@ def claim_on_main(cfg: Config, run_dir, resume: bool, ranks: Ranks):
     if ranks.is_main:
         return folder, created, lock, done
     return Path(msg["dir"]), False, None, ({"run_dir": msg["dir"]} if msg["done"] else None)
+
+
+def _lock(folder: Path) -> RunLock:
+    try:
+        return RunLock(folder).acquire()
+    except OSError as e:
+        raise ConfigError(f"run folder {folder}: cannot write there ({type(e).__name__}: {e.strerror or e}); choose "
+                          f"a folder you can write with --output") from None
 
 
 def interrupt_message(run_dir: Path, run, e) -> str:
@@ -68,6 +77,9 @@ def claim_run_dir(cfg: Config, run_dir, resume: bool) -> tuple[Path, bool]:
         return run_dir, False
     if given:
         run_dir = Path(given)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ConfigError(f"--output {run_dir}: a file of that name exists; the output is a run folder: choose "
+                              f"a new folder name (or an empty folder)")
         if (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists():
             holder = held_by_other(run_dir)
             if holder:
@@ -76,16 +88,23 @@ def claim_run_dir(cfg: Config, run_dir, resume: bool) -> tuple[Path, bool]:
             raise ConfigError(f"output folder {run_dir} already holds a run; pass --resume {run_dir} to continue "
                               f"it or choose another --output")
         created = not run_dir.exists()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--output {run_dir}: cannot create the run folder ({type(e).__name__}: "
+                              f"{e.strerror or e}); choose a folder you can write") from None
         return run_dir, created
     base = default_run_dir(cfg)
-    base.parent.mkdir(parents=True, exist_ok=True)
     for i in range(1, 1000):
         cand = base if i == 1 else base.with_name(f"{base.name}-{i}")
         try:
+            base.parent.mkdir(parents=True, exist_ok=True)
             cand.mkdir()
         except FileExistsError:
             continue
+        except OSError as e:
+            raise ConfigError(f"cannot create the run folder {cand} ({type(e).__name__}: {e.strerror or e}); "
+                              f"pass --output with a folder you can write") from None
         return cand, True
     raise ConfigError(f"could not find a free run folder name next to {base}; pass --output")
 
@@ -97,7 +116,9 @@ def finished_summary(run_dir: Path, cfg: Config) -> dict | None:
     if not (path.is_file() and (run_dir / "adapter" / "adapter_config.json").is_file()):
         return None
     try:
-        summary = json.loads(path.read_text())
+        summary = read_json(path, "summary.json")
     except ValueError:
+        return None
+    if not isinstance(summary, dict):
         return None
     return summary if summary.get("steps") == cfg.train.steps and summary.get("eval_after") else None

@@ -25,6 +25,8 @@ import contextlib
 import json
 import logging
 import math
+import os
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,11 +34,13 @@ from pathlib import Path
 
 from .config import Config, load_config, load_config_file, to_dict
 from .errors import ConfigError
+from .safeio import atomic_write_text, disk_full_error, is_disk_full
 
 log = logging.getLogger("basis_lite")
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_RUN_CONFIG = "basis_lite_config.yaml"
+MAX_SAMPLES = 1024  # eval --samples
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -59,28 +63,49 @@ def _is_adapter_dir(p: Path) -> bool:
 
 
 def resolve_target(path: str | Path) -> Target:
-    """Resolve a run folder, checkpoint folder or adapter folder; ConfigError when it is none of them."""
+    """Resolve a run folder, checkpoint folder or adapter folder; ConfigError when it is none of them, when a
+    symlink in it leads out of it, or when the adapter it names is unusable (`checkpoint.adapter_problem`: no
+    weights file, tensors that do not load or are not finite). A run whose final adapter/ is unusable falls back to
+    its newest checkpoint with a usable adapter, with a warning. Nothing is ever looked for on the hub."""
+    from .checkpoint import adapter_problem
+    from .safeio import check_run_folder
+
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(f"{p}: no such run folder or adapter folder")
     if not p.is_dir():
         raise ConfigError(f"{p}: expected a run folder (with config.yaml) or an adapter folder (with "
                           f"{ADAPTER_CONFIG}), got a file")
+    check_run_folder(p)
     if _is_adapter_dir(p):
         for cand in (p / ADAPTER_RUN_CONFIG, p.parent / "config.yaml"):
             if cand.is_file():
                 run_dir = p.parent if (p.parent / "config.yaml").is_file() else p
+                if run_dir != p:
+                    check_run_folder(run_dir)
+                why = adapter_problem(p)
+                if why is not None:
+                    raise ConfigError(f"{p}: not a usable adapter ({why})")
                 return Target(p, run_dir, p, cand)
         raise ConfigError(f"{p}: an adapter folder without {ADAPTER_RUN_CONFIG} inside or config.yaml next to it; "
                           f"basis-lite needs the run's config to know the base model and the data")
     if (p / "config.yaml").is_file():
         adapter = p / "adapter"
         fd = None
-        if not _is_adapter_dir(adapter):
+        why = adapter_problem(adapter) if adapter.exists() else None
+        if why is not None or not _is_adapter_dir(adapter):
             last, fd = _pinned_checkpoint(p)
             if last is not None:
                 adapter = last / "adapter"
-                log.info("%s has no final adapter/ (unfinished run); using the newest checkpoint %s", p, last.name)
+                if why is not None:
+                    log.warning("%s/adapter is not usable (%s); using the newest usable checkpoint %s", p, why,
+                                last.name)
+                else:
+                    log.info("%s has no final adapter/ (unfinished run); using the newest checkpoint %s", p,
+                             last.name)
+            elif why is not None:
+                raise ConfigError(f"{p}/adapter is not usable ({why}) and the run has no intact checkpoint to fall "
+                                  f"back to")
             else:
                 adapter = None
         return Target(p, p, adapter, p / "config.yaml", fd)
@@ -88,13 +113,20 @@ def resolve_target(path: str | Path) -> Target:
 
 
 def _pinned_checkpoint(run_dir: Path) -> tuple[Path | None, int | None]:
-    """(the newest intact checkpoint, the fd of a shared lock on it): a training process still writing the run
-    does not prune a checkpoint while this process reads it. The lock goes with the fd or the process."""
-    from .checkpoint import MANIFEST, latest_checkpoint
+    """(the newest intact checkpoint with a usable adapter, the fd of a shared lock on it): a training process
+    still writing the run does not prune a checkpoint while this process reads it. The lock goes with the fd or
+    the process."""
+    from .checkpoint import MANIFEST, adapter_problem, intact_checkpoints
     from .safeio import pin_fd
 
     for _ in range(5):
-        last = latest_checkpoint(run_dir)
+        last = None
+        for cand in intact_checkpoints(run_dir):
+            why = adapter_problem(cand / "adapter")
+            if why is None:
+                last = cand
+                break
+            log.warning("skipping checkpoint %s: %s", cand, why)
         if last is None:
             return None, None
         fd = pin_fd(last / MANIFEST)
@@ -118,8 +150,10 @@ def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
     """The config a run to be resumed was started with; ConfigError when it is not a run, overrides are given, or
     config.yaml was edited since the newest checkpoint saved its copy (a resumed run keeps its config)."""
     from .checkpoint import latest_checkpoint
+    from .safeio import check_run_folder
 
     cfg_path = Path(run_dir) / "config.yaml"
+    check_run_folder(run_dir)
     if not cfg_path.exists():
         raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a basis-lite run folder?")
     if overrides:
@@ -163,8 +197,8 @@ def evaluate_run(target: str | Path, dataset: str | None = None, samples: int = 
     from .runtime import build_policy, seed_everything, setup_device
 
     tgt = resolve_target(target)
-    if samples < 0:
-        raise ConfigError(f"--samples: expected K >= 0, got {samples}")
+    if not 0 <= samples <= MAX_SAMPLES:
+        raise ConfigError(f"--samples: expected K in [0, {MAX_SAMPLES}], got {samples}")
     if limit < 0:
         raise ConfigError(f"--limit: expected N >= 0, got {limit}")
     # the run's rollout engine and backend are for training; eval generates with the loaded hf model itself unless
@@ -178,6 +212,7 @@ def evaluate_run(target: str | Path, dataset: str | None = None, samples: int = 
         raise ConfigError(f"{tgt.path}: the run has no adapter yet (no adapter/ and no complete checkpoint); "
                           f"pass --base to evaluate the base model")
     out_path = Path(out) if out else tgt.run_dir / ("eval_base.json" if base else "eval.json")
+    check_writable(out_path, "--out" if out else "the eval results")  # before minutes of evaluation
 
     examples = load_examples(cfg.data, "eval")  # a bad dataset fails before the model loads
     if limit:
@@ -213,12 +248,15 @@ def evaluate_run(target: str | Path, dataset: str | None = None, samples: int = 
         "seconds": round(time.time() - t0, 2),
     }
     result["samples_file"] = str(samples_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((samples_path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)),
-                       (out_path, json.dumps(result, indent=2, default=float) + "\n")):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+    samples_text = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
+    for path, text, what in ((samples_path, samples_text, "the eval samples"),
+                             (out_path, json.dumps(result, indent=2, default=float) + "\n", "the eval results")):
+        try:
+            atomic_write_text(path, text)
+        except OSError as e:
+            if is_disk_full(e, path.parent):
+                raise disk_full_error(what, path, e, "free some space and run the eval again") from e
+            raise
     del model, engine
     if device.type == "cuda":
         import torch
@@ -246,6 +284,21 @@ def format_misses(records: list[dict], n: int, width: int = 300) -> str:
                   f"  gold {r['gold']!r}, extracted {r['extracted']!r}",
                   "  completion: " + completion.replace("\n", "\n              ")]
     return "\n".join(lines)
+
+
+def check_writable(path: Path, what: str) -> None:
+    """ConfigError unless a file can be written at `path`: not an existing folder, its folder creatable and
+    writable (a probe file is created and removed there)."""
+    if path.is_dir():
+        raise ConfigError(f"{what}: {path} is a folder; give a file name such as {path / 'eval.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot write {path} ({type(e).__name__}: {e.strerror or e}); choose a writable "
+                          f"place with --out") from None
 
 
 def _fmt(x) -> str:

@@ -2,12 +2,22 @@
 
     device, dtype = setup_device(cfg)            # torch threads (train.threads), cpu/cuda, the compute dtype
     model, tok, engine = build_policy(cfg, device, dtype, adapter_path=None, training=False)
+    decided = decide_run(cfg, ranks_active, stored)   # training: the run-time decisions, kept on resume
 
 `train`, `eval`, `export` and `prior` all go through these, so a choice (threads, dtype auto) is made in one place.
+
+A training run stores what was decided while it ran (`Decided`: the device, the compute dtype `model.dtype: auto`
+chose, the backend `model.backend: auto` chose, the sampling streams `generation.rng: auto` chose, the thread
+count `train.threads: 0` gave) in RUN_DIR/decided.json and in every checkpoint. A resume keeps those values instead
+of deciding again (a timing under another CPU load, or another machine, could decide otherwise and the resumed run
+would silently differ); when this machine cannot keep one (bf16 stored, a CPU without native bf16; cuda stored, no
+GPU; unsloth stored, not installed), `decide_run` raises ConfigError saying so, and nothing is trained.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import logging
 import random
 import warnings
 
@@ -16,6 +26,10 @@ import torch
 
 from .config import Config
 from .dtypes import resolve_device, resolve_dtype
+from .errors import ConfigError
+
+log = logging.getLogger("basis_lite")
+DECIDED_FILE = "decided.json"
 
 
 def seed_everything(seed: int) -> None:
@@ -32,12 +46,116 @@ def setup_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
     return device, resolve_dtype(cfg.model.dtype, device)
 
 
-def build_policy(cfg: Config, device, dtype, adapter_path=None, training: bool = False):
+@dataclasses.dataclass(frozen=True)
+class Decided:
+    """What a training run decided at run time (see the module docstring)."""
+
+    device: str  # cpu | cuda
+    dtype: str  # float32 | bfloat16 | float16
+    backend: str  # hf | unsloth
+    rng: str  # global | per_prompt
+    threads: int  # torch CPU threads
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+_STORED = {"device": ("cpu", "cuda"), "dtype": ("float32", "bfloat16", "float16"), "backend": ("hf", "unsloth"),
+           "rng": ("global", "per_prompt")}
+
+
+def read_decided(data) -> dict | None:
+    """The stored decisions in `data` (decided.json's object, or a checkpoint's "decided"), the values checked;
+    None when there are none or they are not what a run writes."""
+    if not isinstance(data, dict):
+        return None
+    out = {k: data.get(k) for k in _STORED if data.get(k) in _STORED[k]}
+    t = data.get("threads")
+    if isinstance(t, int) and not isinstance(t, bool) and 1 <= t <= 4096:
+        out["threads"] = t
+    return out or None
+
+
+def cpu_native_bf16() -> bool:
+    from .dtypes import cpu_bf16_flags
+
+    return bool(cpu_bf16_flags())
+
+
+def decide_run(cfg: Config, ranks_active: bool = False, stored: dict | None = None) -> Decided:
+    """The run-time decisions of a training run: each `auto` value resolved here, or, with `stored` (a resume),
+    the value the run decided when it started. ConfigError when this machine cannot keep a stored value.
+    Applies the thread count."""
+    stored = stored or {}
+    keep = []
+
+    def kept(key: str, why: str):
+        keep.append(f"{key}={stored[key]} ({why})")
+        return stored[key]
+
+    device = resolve_device(cfg.device) if not (cfg.device == "auto" and "device" in stored) else None
+    if device is None:
+        if stored["device"] == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--resume: this run trained on cuda (device: auto chose it when it started) and this "
+                              "machine has no CUDA GPU visible to torch; a resumed run keeps its device: resume it "
+                              "where a GPU is visible, or start a new run")
+        device = torch.device(kept("device", "device: auto"))
+    if cfg.model.dtype == "auto" and "dtype" in stored:
+        dtype = getattr(torch, kept("dtype", "model.dtype: auto"))
+        if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_native_bf16():
+            raise ConfigError("--resume: this run computed in bfloat16 (model.dtype: auto chose it when it started) "
+                              "and this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag), where bf16 would be "
+                              "emulated and many times slower; a resumed run keeps its dtype, so it stops here: "
+                              "resume it on a CPU with native bf16, or start a new run with model.dtype: float32")
+        if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("--resume: this run computed in bfloat16 (model.dtype: auto chose it when it started) "
+                              "and this GPU has no bf16; a resumed run keeps its dtype: resume it on a GPU with bf16, "
+                              "or start a new run")
+    else:
+        dtype = resolve_dtype(cfg.model.dtype, device)
+    backend = cfg.model.backend
+    if backend == "auto" and "backend" in stored:
+        backend = kept("backend", "model.backend: auto")
+        if backend == "unsloth" and (device.type != "cuda" or importlib.util.find_spec("unsloth") is None):
+            raise ConfigError("--resume: this run trained with the unsloth backend (model.backend: auto chose it "
+                              "when it started), which is not installed here or needs a GPU; a resumed run keeps "
+                              "its backend: resume it where unsloth runs, or start a new run")
+    elif backend == "auto":
+        backend = auto_backend(device)
+    rng = cfg.generation.rng
+    if rng == "auto" and "rng" in stored:
+        rng = kept("rng", "generation.rng: auto")
+        if rng == "global" and ranks_active:
+            raise ConfigError("--resume: this run sampled from torch's global RNG (generation.rng: auto, one "
+                              "process); under torchrun it would need per-prompt streams and would not continue the "
+                              "same run: resume it in one process (without torchrun), or start a new run")
+    elif rng == "auto":
+        rng = "per_prompt" if ranks_active else "global"
+    threads = cfg.train.threads
+    if not threads and "threads" in stored:
+        threads = kept("threads", "train.threads: 0")
+    if threads:
+        torch.set_num_threads(threads)
+    if keep:
+        log.info("resume keeps what the run decided when it started: %s", ", ".join(keep))
+    return Decided(device=device.type, dtype=str(dtype).replace("torch.", ""), backend=backend, rng=rng,
+                   threads=threads or torch.get_num_threads())
+
+
+def auto_backend(device) -> str:
+    return "unsloth" if device.type == "cuda" and importlib.util.find_spec("unsloth") is not None else "hf"
+
+
+def build_policy(cfg: Config, device, dtype, adapter_path=None, training: bool = False, backend: str | None = None):
     """(model, tokenizer, engine) for the configured backend and engine; for training, with the EAPO prior adapter
     (eapo.prior_adapter) loaded beside the trained one and the engine set to inject it."""
-    backend = cfg.model.backend
+    backend = backend or cfg.model.backend
     if backend == "auto":
-        backend = "unsloth" if device.type == "cuda" and importlib.util.find_spec("unsloth") is not None else "hf"
+        backend = auto_backend(device)
     if backend == "unsloth":
         from .unsloth_backend import load_unsloth_policy
 

@@ -9,6 +9,8 @@ readers, paths that stay inside a folder, and a pickle-free format for nested st
     RunLock(run_dir).acquire()              exclusive flock on RUN_DIR/.lock; a second writer gets ConfigError
     pin_fd(path)                            a shared flock that keeps a checkpoint from being pruned while read
     inside(base, path)                      True when `path` resolves inside `base`
+    check_run_folder(run_dir)               ConfigError when a symlink in a run folder leads out of it
+    read_json(path, what)                   JSON of a small file, nesting bounded, ValueError on anything bad
     pack_state(obj) -> (json_tree, arrays)  nested dicts/lists/tuples/ndarrays -> JSON + a flat {name: ndarray}
     unpack_state(json_tree, arrays)         the inverse; nothing in it can run code
 
@@ -22,7 +24,9 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -75,11 +79,15 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` so that a reader sees the old file or the whole new one, never a part of it."""
+    """Write `data` to `path` so that a reader sees the old file or the whole new one, never a part of it. The
+    temporary file is created anew (a link planted under its name is replaced, never followed) and removed when the
+    write fails (a full disk leaves no `.NAME.tmp-PID` behind)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -257,9 +265,68 @@ def inside(base: str | os.PathLike, path: str | os.PathLike) -> bool:
     """True when `path` (symlinks resolved) lies inside `base`."""
     try:
         Path(path).resolve().relative_to(Path(base).resolve())
-    except (ValueError, OSError):
+    except (ValueError, OSError, RuntimeError):  # RuntimeError: a symlink loop
         return False
     return True
+
+
+def check_run_folder(run_dir: str | os.PathLike) -> None:
+    """ConfigError when anything in the run folder `run_dir` is a symlink that resolves outside it (or a loop):
+    every file a command reads from or writes to a run folder then lies inside it, whatever the links (a
+    `checkpoints/` linked into another run would otherwise be resumed from, saved into and pruned)."""
+    base = Path(run_dir)
+    if not base.is_dir():
+        return
+    root = base.resolve()
+    for folder, dirs, files in os.walk(base):  # links are not followed: each one is checked where it is
+        for name in dirs + files:
+            p = Path(folder) / name
+            if p.is_symlink() and not inside(root, p):
+                try:
+                    where = os.readlink(p)
+                except OSError:
+                    where = "?"
+                raise ConfigError(f"{p} is a symbolic link to {where}, outside the run folder {base}: basis-lite "
+                                  f"reads and writes a run folder's files only inside it. Replace the link by a "
+                                  f"copy of what it points at, or remove it")
+
+
+MAX_JSON_BYTES = 64 << 20
+MAX_JSON_DEPTH = 64
+
+
+def read_json(path: str | os.PathLike, what: str = "", max_depth: int = MAX_JSON_DEPTH):
+    """The JSON value in a small file; ValueError (one line, naming `what` or the file) when it is unreadable, too
+    big, not UTF-8, not JSON or nested deeper than `max_depth` (the parser's recursion limit is never reached)."""
+    path = Path(path)
+    name = what or str(path)
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise ValueError(f"{name}: larger than {MAX_JSON_BYTES >> 20} MiB")
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{name}: unreadable ({type(e).__name__}: {e})") from None
+    if json_depth(text) > max_depth:
+        raise ValueError(f"{name}: nested deeper than {max_depth} levels")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{name}: not valid JSON ({type(e).__name__})") from None
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of [ and { in JSON text, strings skipped (a linear scan, no recursion)."""
+    depth = best = 0
+    for c in re.sub(r"[^\[\]{}]", "", _JSON_STRING.sub("", text)):
+        if c in "[{":
+            depth += 1
+            best = max(best, depth)
+        else:
+            depth -= 1
+    return best
 
 
 # ----------------------------------------------------------------------------------------------------------------

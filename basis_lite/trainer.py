@@ -42,9 +42,10 @@ from .faults import maybe_kill
 from .metrics import MetricsLog
 from .models import cache_root, count_parameters, reset_peak_memory
 from .priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
+from .resume import resume_from, stored_decisions
 from .rewards import RewardScorer, column_names, example_columns
 from .run_folder import claim_on_main, interrupt_message
-from .runtime import build_policy, seed_everything, setup_device
+from .runtime import DECIDED_FILE, Decided, build_policy, decide_run, seed_everything
 from .safeio import atomic_write_text, disk_full_error, is_disk_full, publish_dir
 from .step import Step
 from .update import make_optimizer, make_scheduler, policy_update
@@ -80,6 +81,7 @@ class RunState:
     progress: bool = True
     ranks: distributed.Ranks = dataclasses.field(default_factory=distributed.Ranks)  # data-parallel ranks (or one)
     per_prompt_rng: bool = False  # rollouts from per-prompt streams (generation.rng)
+    decided: Decided | None = None  # what the run decided at run time (kept on resume)
 
     @property
     def uses_features(self) -> bool:
@@ -159,23 +161,21 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
     """
     ranks = ranks or distributed.Ranks()
     ranks.watch(run_dir)
-    device, dtype = setup_device(cfg)
-    device = ranks.device(device)
+    decided = decide_run(cfg, ranks.active, stored_decisions(run_dir) if resume else None)
+    device, dtype = ranks.device(torch.device(decided.device)), decided.torch_dtype
     train_ex, eval_ex = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
-    last = ckpt.latest_checkpoint(run_dir) if resume else None
-    if resume and last is None:
-        log.info("%s has no intact checkpoint: starting it again from step 0 with its saved config", run_dir)
     seed_everything(cfg.train.seed)
     with ranks.main_first():  # a built-in model is converted into the cache once
-        model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(last / "adapter") if last else None,
-                                          training=True)
+        # a fresh adapter; a resume loads the checkpoint's weights into it once they are checked (`resume_from`)
+        model, tok, engine = build_policy(cfg, device, dtype, training=True, backend=decided.backend)
     ranks.broadcast_params([p for p in model.parameters() if p.requires_grad])
     n_train, n_total = count_parameters(model)
     log.info("model %s on %s (%s): %.2fM trainable of %.1fM parameters", cfg.model.name, device, dtype,
              n_train / 1e6, n_total / 1e6)
     # starts the reward worker process and waits until it imported the user functions and checked their signatures
     # (RewardError before anything is written); closed by train() whatever happens
-    scorer = RewardScorer(cfg.reward, column_names(train_ex, cfg.data))
+    # a resume never imports a reward module from inside the run folder (a folder handed over is data, not code)
+    scorer = RewardScorer(cfg.reward, column_names(train_ex, cfg.data), refused_dirs=[run_dir] if resume else [])
     run = None
     try:
         optimizer = make_optimizer(cfg, model, device)
@@ -185,6 +185,8 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
             device.type == "cuda" and dtype == torch.float16) else None
         if ranks.is_main and not resume:
             save_config(cfg, run_dir / "config.yaml")
+        if ranks.is_main and not (run_dir / DECIDED_FILE).is_file():
+            atomic_write_text(run_dir / DECIDED_FILE, json.dumps(decided.as_dict(), indent=1) + "\n")
         run = RunState(
             cfg=cfg, run_dir=run_dir, device=device, model=model, tok=tok, engine=engine, scorer=scorer,
             optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer), scaler=scaler,
@@ -195,14 +197,15 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
             estimator=get_estimator(cfg.estimator.name),
             prompt_of={ex.id: format_prompt(tok, ex.prompt, cfg.data) for ex in train_ex},
             eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress, ranks=ranks,
-            per_prompt_rng=distributed.per_prompt_rng(cfg, ranks))
+            per_prompt_rng=decided.rng == "per_prompt", decided=decided)
         if run.estimator.replay_capacity is not None:
             run.replay = ReplayBuffer(run.estimator.replay_capacity(cfg.estimator.options))
         if run.with_prior and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
-        if last is not None:
-            restore(run, last)
-        else:
+        last = resume_from(run, train_ex) if resume else None
+        if last is None:
+            if resume:
+                log.info("%s has no usable checkpoint: starting it again from step 0 with its saved config", run_dir)
             run.metrics.start()
             run.summary["eval_before"] = run_eval(run, "eval (before)")
             run.metrics.eval(0, run.summary["eval_before"])
@@ -234,31 +237,6 @@ def load_prior(run: RunState, train_ex) -> None:
     run.summary["prior_cached"] = run.prior_table["cached"]
 
 
-def restore(run: RunState, last: Path) -> None:
-    state = ckpt.load_state(last)
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    run.sampler.load_state_dict(state["sampler"])
-    run.history = state.get("history", {})
-    if run.replay is not None and state.get("replay") is not None:
-        run.replay.load_state_dict(state["replay"])
-    if run.scaler is not None and state.get("scaler"):
-        run.scaler.load_state_dict(state["scaler"])
-    run.step, run.bad_steps = state["step"], state.get("bad_steps", 0)
-    was = state.get("rng_mode", "global")
-    if was != ("per_prompt" if run.per_prompt_rng else "global"):
-        log.warning("the checkpoint's rollouts came from %s sampling streams, this run uses %s ones "
-                    "(generation.rng): the resumed run will not repeat the interrupted one", was,
-                    "per_prompt" if run.per_prompt_rng else "global")
-    elif state.get("ranks", 1) != run.ranks.world:
-        log.info("resuming a %d-rank run on %d ranks (per-prompt streams: the same rollouts, up to float rounding)",
-                 state.get("ranks", 1), run.ranks.world)
-    run.summary["eval_before"] = state.get("eval_before")
-    ckpt.set_rng_state(state["rng"])
-    run.metrics.resume(run.step)
-    log.info("resumed from %s at step %d", last, run.step)
-
-
 def checkpoint_state(run: RunState) -> dict:
     return {"step": run.step, "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
             "sampler": run.sampler.state_dict(), "rng": ckpt.rng_state(), "history": run.history,
@@ -266,7 +244,8 @@ def checkpoint_state(run: RunState) -> dict:
             "scaler": run.scaler.state_dict() if run.scaler is not None else None,
             "prior_key": run.prior_table["key"] if run.prior_table else None,
             "ranks": run.ranks.world, "rng_mode": "per_prompt" if run.per_prompt_rng else "global",
-            "replay": run.replay.state_dict() if run.replay is not None else None}
+            "replay": run.replay.state_dict() if run.replay is not None else None,
+            "decided": run.decided.as_dict() if run.decided is not None else None}
 
 
 def _config_text(run: RunState) -> str:

@@ -200,8 +200,8 @@ def test_reward_signature_is_checked_before_anything_is_written(capsys, tmp_path
     ("lora.alpha=0", ("lora.alpha", "got 0", "an integer > 0")),
     ("lora.dropout=5", ("lora.dropout", "5.0", "[0, 1)")),
     ("train.lr=.nan", ("train.lr", "nan", "a number > 0")),
-    ("generation.top_k=-5", ("generation.top_k", "-5", ">= -1")),
-    ("train.logprob_chunk_size=0", ("train.logprob_chunk_size", "got 0", ">= 1")),
+    ("generation.top_k=-5", ("generation.top_k", "-5", "[-1, 10000000]")),
+    ("train.logprob_chunk_size=0", ("train.logprob_chunk_size", "got 0", "[1, 16777216]")),
     ("estimator.options={bandwith: 0.3}", ("estimator.options.bandwith", "did you mean bandwidth?")),
     ("estimator.options={bandwidth: -1}", ("estimator.options.bandwidth", "-1", "positive number")),
 ])

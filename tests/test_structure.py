@@ -18,12 +18,13 @@ LAYERS = [
     # numerics: losses, estimators' functions, data, rewards
     {"losses", "estimators.base", "estimators.simple", "estimators.basis_blocks", "estimators.basis",
      "estimators.probe", "estimators.poise", "data", "data.example", "data.rows", "data.loading", "data.prompts", "data.sampler",
-     "rewards", "reward_worker", "eapo", "metrics", "plot"},
+     "rewards", "reward_worker", "metrics", "plot"},
     # model loading, engines, distributed, updates, checkpoints, export
     {"models", "unsloth_backend", "engines", "engines.base", "engines.hf", "engines.seeded", "engines.trajectory",
-     "engines.vllm", "distributed", "update", "checkpoint", "plan", "export_check", "step", "run_folder", "dtypes"},
+     "engines.vllm", "distributed", "update", "checkpoint", "plan", "export_check", "step", "run_folder", "dtypes",
+     "eapo"},
     # assembly
-    {"runtime", "evaluate", "priors", "runs", "trainer", "export", "gguf_export"},
+    {"runtime", "evaluate", "priors", "runs", "resume", "trainer", "export", "gguf_export"},
     {"cli", "__main__", "__init__"},
 ]
 

@@ -33,7 +33,7 @@ when loaded, before anything tokenizes it, with a warning; a gold answer longer 
 row a bad row. A directory given as ``data.dataset`` is a DataError naming the data files inside it.
 
 Bad rows (missing or empty question/answer, values that are not text or numbers, lines that are not valid UTF-8
-or not valid JSON) are skipped and counted; so are gold answers that math-verify cannot parse. When either share
+or not valid JSON, or nested deeper than the JSON parser reads) are skipped and counted; so are gold answers that math-verify cannot parse. When either share
 exceeds ``data.max_bad_fraction`` loading stops with a DataError naming the file, the count, the first bad rows
 and the reason; below it, a warning lists them.
 """
@@ -94,6 +94,8 @@ def _read_jsonl_bytes(data: bytes) -> tuple[list[tuple[int, Any]], list[tuple[in
             rows.append((n, json.loads(text)))
         except json.JSONDecodeError as e:
             bad.append((n, f"not valid JSON: {e.msg}"))
+        except RecursionError:
+            bad.append((n, "nested too deeply to read"))
     return rows, bad, total
 
 
@@ -192,7 +194,7 @@ def _read_file(path: Path, qf: str) -> tuple[list[tuple[int, Any]], list[tuple[i
     if suffix == ".json":
         try:
             obj = json.loads(data.decode("utf-8-sig"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             obj = None  # JSON lines in a .json file, or a damaged file: read it line by line
         if isinstance(obj, dict):
             lists = [v for v in obj.values() if isinstance(v, list) and v and isinstance(v[0], dict)]

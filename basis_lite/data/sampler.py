@@ -1,7 +1,8 @@
 """``PromptSampler``: endless, resumable batches of training examples in a seeded order.
 
-Its ``state_dict()`` (epoch, position, seed, batch size, example count and a fingerprint of the example ids) is
-the data position that checkpoints store; ``load_state_dict`` reads it back on resume.
+Its ``state_dict()`` (epoch, position, seed, batch size, example count, a fingerprint of the example ids and one of
+their content) is the data position that checkpoints store; ``load_state_dict`` reads it back on resume and raises
+DataError when the examples are not the ones it was taken over.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import random
 from typing import Iterator, Sequence
 
+from ..errors import DataError
 from .example import Example
 
 log = logging.getLogger(__name__)
@@ -63,18 +65,35 @@ class PromptSampler:
             h.update(ex.id.encode("utf-8", "surrogatepass") + b"\0")
         return h.hexdigest()[:16]
 
+    def _content_fingerprint(self) -> str:
+        h = hashlib.sha1()
+        for ex in self.examples:
+            for part in (ex.id, ex.question, ex.answer):
+                h.update(str(part).encode("utf-8", "surrogatepass") + b"\0")
+        return h.hexdigest()[:16]
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size,
-                "num_examples": len(self.examples), "fingerprint": self._fingerprint()}
+                "num_examples": len(self.examples), "fingerprint": self._fingerprint(),
+                "content": self._content_fingerprint()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state(self, state: dict, dataset: str = "") -> None:
+        """DataError unless `state` was taken over these examples (their count, and their ids, questions and
+        answers where the checkpoint recorded them): data that changed between a kill and its resume."""
+        what = f"the training data ({dataset})" if dataset else "the training data"
         n = state.get("num_examples", len(self.examples))
         if n != len(self.examples):
-            raise ValueError(f"PromptSampler: the checkpoint was taken over {n} examples, this run has "
-                             f"{len(self.examples)}; resume with the same data settings")
-        if state.get("fingerprint") not in (None, self._fingerprint()):
-            log.warning("PromptSampler: the examples differ from the checkpoint's (same count, other ids); the "
-                        "resumed prompt order will not match the interrupted run")
+            raise DataError(f"{what} changed since the checkpoint: it was taken over {n} examples, the data now "
+                            f"gives {len(self.examples)}. A resumed run needs the data it was trained on: put the "
+                            f"original data back, or start a new run")
+        if state.get("content") not in (None, self._content_fingerprint()) or state.get("fingerprint") not in (
+                None, self._fingerprint()):
+            raise DataError(f"{what} changed since the checkpoint: the same number of examples ({n}) with other "
+                            f"questions or answers. A resumed run needs the data it was trained on: put the original "
+                            f"data back, or start a new run")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
         if state.get("seed", self.seed) != self.seed:
             log.warning("PromptSampler: checkpoint seed %s differs from this run's %s; using the checkpoint's",
                         state.get("seed"), self.seed)
