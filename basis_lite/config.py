@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from .config_fields import Range, choices_of, help_text, must_be_set, range_of, refused_names, trl_name
+from .config_fields import Range, bool_names, choices_of, help_text, must_be_set, range_of, refused_names, trl_name
 from .config_keys import (
     CHECKS,
     MAX_SEQUENCES,
@@ -259,16 +259,18 @@ def _bad_value(key: str, value: Any, expected: str) -> ConfigError:
 def validate(cfg: Config) -> None:
     """Check every key (its type, range or choices, non-empty where it must be), then the combinations (`_CHECKS`);
     ConfigError naming the key, the value and what is accepted. Normalises in place: generation.top_k -1 -> 0,
-    train.mismatch_correction true/false -> always/never, estimator options read as numbers, TRL's loss_type names
+    true/false -> the names of a key with `bools` (train.mismatch_correction, generation.fast_cpu), estimator options read as numbers, TRL's loss_type names
     as ours, train.micro_batch_size capped at the step's sequence count."""
     for key, f in FIELDS.items():  # types again: a Config built or changed in code skips _merge's checks
         section, _, leaf = key.rpartition(".")
         obj = get(cfg, section) if section else cfg
         setattr(obj, leaf, _coerce(getattr(obj, leaf), _hints(type(obj))[leaf], key))
-    if isinstance(cfg.train.mismatch_correction, bool):
-        cfg.train.mismatch_correction = "always" if cfg.train.mismatch_correction else "never"
     for key, f in FIELDS.items():
         value, choices, rng = get(cfg, key), choices_of(f), range_of(f)
+        if isinstance(value, bool) and bool_names(f):  # YAML's true / false (also on / off) for a key of names
+            section, _, leaf = key.rpartition(".")
+            value = bool_names(f)[0] if value else bool_names(f)[1]
+            setattr(get(cfg, section) if section else cfg, leaf, value)
         if choices is not None and value not in choices:
             raise ConfigError(f"{key}: {value!r} is not accepted; choose one of {', '.join(choices)}")
         if rng is not None and not rng.contains(value):

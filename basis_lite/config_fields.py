@@ -59,13 +59,14 @@ UNIT_OPEN = Range(0, 1, lo_open=True, hi_open=True)  # (0, 1)
 
 def setting(default: Any, help: str | Callable[[], str], *, range: Range | None = None,
         choices: tuple | Callable[[], tuple] | None = None, trl: str = "", refuse: dict | None = None,
-        nonempty: bool = False) -> Any:
+        nonempty: bool = False, bools: tuple[str, str] | None = None) -> Any:
     """A config field: its default (a list or dict is copied for every config), what it means (`help`), the values
     it accepts (`range` for numbers, `choices` for names), TRL's GRPOConfig name with the same meaning (`trl`,
-    read as this key), TRL names near it whose meaning differs ({name: what to write instead}, refused), and
-    `nonempty` for a string that must not be blank."""
+    read as this key), TRL names near it whose meaning differs ({name: what to write instead}, refused),
+    `nonempty` for a string that must not be blank, and `bools` (the names YAML's true and false are read as, for a
+    key of names that also takes a switch)."""
     meta = {"help": help, "range": range, "choices": choices, "trl": trl, "refuse": refuse or {},
-            "nonempty": nonempty}
+            "nonempty": nonempty, "bools": bools}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -92,6 +93,10 @@ def trl_name(f: dataclasses.Field) -> str:
 
 def refused_names(f: dataclasses.Field) -> dict:
     return f.metadata.get("refuse", {})
+
+
+def bool_names(f: dataclasses.Field) -> tuple[str, str] | None:
+    return f.metadata.get("bools")
 
 
 def must_be_set(f: dataclasses.Field) -> bool:

@@ -76,6 +76,14 @@ class DataConfig:
     levels: list = setting([1, 2], "built-in tasks: the difficulty levels to draw from")
     train_size: int = setting(2000, "training problems: a count for built-in tasks; a cap for hub datasets and files "
                               "(0 = all)", range=Range(0, 10_000_000))
+    revisit: bool = setting(True, "built-in tasks: a level that runs out of distinct questions before its share of the "
+                            "training split is full revisits the ones it drew (true) or leaves its share to the other "
+                            "levels (false)")
+    value_sampling: float = setting(0.0, "prompt selection by value (SPO's prioritized sampling): a training prompt is "
+                                    "skipped until the next epoch with probability s * (1 - 2 sqrt(v (1 - v))), v its "
+                                    "tracked success rate (earlier rewards, decayed 0.9 per step, (s + 1) / (n + 2)); "
+                                    "prompts whose value sits near 0 or 1 carry little gradient. 0 = off, 1 = "
+                                    "strongest (keeps 2%)", range=Range(0, 1))
     eval_size: int = setting(200, "held-out problems for eval (0 = no eval)", range=Range(0, 1_000_000))
     question_field: str = setting("question", "hf: datasets and files: the field holding the question", nonempty=True)
     answer_field: str = setting("answer", "hf: datasets and files: the field holding the answer (text after ####, or "
@@ -132,6 +140,10 @@ class GenerationConfig:
                        "of a step its own stream, so rollouts do not depend on batching or the number of ranks; "
                        "EAPO-injected rollouts still draw from torch's RNG) | auto (per_prompt under torchrun)",
                        choices=("auto", "global", "per_prompt"))
+    fast_cpu: Any = setting("auto", "hf engine on the CPU: auto (rollouts and eval from merged weights, finished rows "
+                            "dropped, the shared prompt prefix prefilled once; generate() for trajectory features, "
+                            "EAPO injection and non-Llama models; also true) | off (transformers' generate(); also "
+                            "false)", choices=("auto", "off"), bools=("auto", "off"))
 
 
 def _check_generation(cfg: Config) -> None:
@@ -276,7 +288,7 @@ class TrainConfig:
                               "acts", range=Range(1, 100))
     mismatch_correction: Any = setting("auto", "truncated importance weights between the engine's and the trainer's "
                                        "log-probs: auto (on for vLLM engines) | always | never",
-                                       choices=("auto", "always", "never"))
+                                       choices=("auto", "always", "never"), bools=("always", "never"))
     mismatch_cap: float = setting(3.0, "cap of those importance weights (>= 1)", range=AT_LEAST_1)
     logprob_chunk_size: int = setting(1024, "tokens per chunk of the lm_head + log-softmax (never the full [B, T, V] "
                                       "fp32 tensor)", range=Range(1, 1 << 24))

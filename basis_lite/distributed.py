@@ -12,8 +12,9 @@ What travels, and when:
 - per step, one all-gather of a float64 vector per rank (basis_lite.step): its rewards, prompt features, correctness
   and format flags, completion lengths, generation time and reward-warning count; and one max of the peak memory.
   Every rank then holds the global batch's per-prompt quantities in global order and computes the same baselines
-  (prompt ids, the prior and the history are functions of the global batch, which every rank draws from the same
-  seeded sampler);
+  (prompt ids, the prior, the history and an estimator's own state, such as the basis mix's value tracker, are
+  functions of the global batch, which every rank draws from the same seeded sampler; data.value_sampling's tracker
+  likewise);
 - per optimizer step, one all-reduce (SUM) of a flat fp32 buffer of the LoRA gradients and one of the loss
   statistics. Each rank's loss is divided by the completion-token count of the GLOBAL batch, so the sum is the
   gradient of the single-process loss over the whole batch; every rank then clips and steps on identical gradients,

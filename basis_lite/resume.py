@@ -8,6 +8,7 @@ from pathlib import Path
 
 from . import checkpoint as ckpt
 from .data import PromptSampler
+from .estimators.basis_mix import ValueTracker, selection_probability
 from .estimators.probe import ReplayBuffer
 from .runtime import DECIDED_FILE, read_decided
 from .safeio import read_json
@@ -58,7 +59,7 @@ def resume_from(run, train_ex) -> Path | None:
 
 def _fresh_state(run, train_ex, initial: dict, adapter_name: str) -> None:
     """Undo a partly applied checkpoint: the initial adapter weights, a fresh optimizer, schedule, data position,
-    history and replay buffer."""
+    history, replay buffer, estimator state and value tracker."""
     from peft import set_peft_model_state_dict
 
     set_peft_model_state_dict(run.model, initial, adapter_name=adapter_name)
@@ -66,8 +67,20 @@ def _fresh_state(run, train_ex, initial: dict, adapter_name: str) -> None:
     run.scheduler = make_scheduler(run.cfg, run.optimizer)
     run.sampler = PromptSampler(train_ex, run.cfg.train.batch_size, seed=run.cfg.train.seed)
     run.history, run.step, run.bad_steps = {}, 0, 0
-    if run.replay is not None:
-        run.replay = ReplayBuffer(run.estimator.replay_capacity(run.cfg.estimator.options))
+    fresh_learning_state(run)
+
+
+def fresh_learning_state(run) -> None:
+    """The state the estimator and the sampler learn across steps, as at step 0: the replay buffer, the estimator's
+    own state (BASIS mix), and the value tracker that prompt selection by value reads."""
+    cfg = run.cfg
+    capacity = run.estimator.replay_capacity(cfg.estimator.options) if run.estimator.replay_capacity else None
+    run.replay = ReplayBuffer(capacity) if capacity else None
+    run.est_state = run.estimator.make_state(cfg.estimator.options)
+    run.value_tracker = None
+    if cfg.data.value_sampling > 0:
+        run.value_tracker = ValueTracker(decay=0.9)
+        run.sampler.accept = selection_probability(run.value_tracker, cfg.data.value_sampling)
 
 
 def check_checkpoint(run, last: Path, expected: dict, train_ex) -> tuple[dict, dict]:
@@ -110,6 +123,10 @@ def restore(run, state: dict) -> None:
         run.history = state.get("history", {})
         if run.replay is not None and state.get("replay") is not None:
             run.replay.load_state_dict(state["replay"])
+        if run.est_state is not None and state.get("estimator_state") is not None:
+            run.est_state.load_state_dict(state["estimator_state"])
+        if run.value_tracker is not None and state.get("value_tracker") is not None:
+            run.value_tracker.load_state_dict(state["value_tracker"])
         if run.scaler is not None and state.get("scaler"):
             run.scaler.load_state_dict(state["scaler"])
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:

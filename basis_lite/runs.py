@@ -249,8 +249,8 @@ def evaluate_run(target: str | Path, dataset: str | None = None, samples: int = 
     }
     result["samples_file"] = str(samples_path)
     samples_text = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
-    for path, text, what in ((samples_path, samples_text, "the eval samples"),
-                             (out_path, json.dumps(result, indent=2, default=float) + "\n", "the eval results")):
+    for path, text, what in ((out_path, json.dumps(result, indent=2, default=float) + "\n", "the eval results"),
+                             (samples_path, samples_text, "the eval samples")):
         try:
             atomic_write_text(path, text)
         except OSError as e:

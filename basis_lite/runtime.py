@@ -198,7 +198,7 @@ def make_engine(cfg: Config, model, tok, backend: str = "hf", with_prior: bool =
         from .engines.hf import HFEngine
 
         return HFEngine(model, tok, batch_size=cfg.generation.batch_size, max_prompt_tokens=max_prompt,
-                        eapo=cfg.eapo if with_prior else None)
+                        eapo=cfg.eapo if with_prior else None, fast_cpu=cfg.generation.fast_cpu)
     from .engines.vllm import make_vllm_engine
 
     return make_vllm_engine(cfg, model, tok, backend)

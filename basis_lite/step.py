@@ -123,7 +123,8 @@ class Step:
             "step": self.n, "reward_mean": r_flat.mean().item(), "accuracy": sum(self.correct) / len(self.correct),
             "format_rate": sum(self.format) / len(self.format), "baseline_mean": self.base.mean().item(),
             "advantage_std": self.adv.std().item() if self.adv.numel() > 1 else 0.0,
-            "explained_variance": explained_variance(self.rewards, self.base), "kl": stats["kl"],
+            "explained_variance": explained_variance(self.rewards, self.base),
+            "explained_variance_loo_ref": loo_reference_ev(r_flat.numel()), "kl": stats["kl"],
             "entropy": stats["entropy"], "completion_len": comp_tokens / len(self.completion_lens),
             "loss": stats["loss"], "grad_norm": stats["grad_norm"], "clip_fraction": stats["clip_fraction"],
             "lr": run.optimizer.param_groups[0]["lr"], "generation_s": self.generation_s,
@@ -137,9 +138,18 @@ class Step:
             **({"trajectory_feature_s": getattr(run.engine, "trajectory_seconds", 0.0)} if run.uses_trajectory
                else {}),
             **({"replay_rows": run.replay.rows} if run.replay is not None else {}),
+            **(run.est_state.metrics() if hasattr(run.est_state, "metrics") else {}),
+            **({"value_sampling_skipped": run.sampler.skipped} if run.value_tracker is not None else {}),
         }
         if ranks.active:
             rec.update({"ranks": ranks.world, "gather_wait_s": self.wait_s, "gather_s": self.gather_s,
                         "gather_bytes": self.gather_bytes, "allreduce_s": ranks.last_allreduce_s,
                         "allreduce_bytes": ranks.last_allreduce_bytes, "step_s": time.time() - self.started})
         return rec
+
+
+def loo_reference_ev(n: int) -> float:
+    """The explained variance of the plain leave-one-out mean over n rollouts, 1 - (n / (n - 1))^2, whatever the
+    rewards (b_i = (S - r_i) / (n - 1) leaves r_i scaled by n / (n - 1)); nan for n < 2. A baseline that earns
+    something scores above it."""
+    return 1.0 - (n / (n - 1)) ** 2 if n >= 2 else float("nan")

@@ -36,13 +36,14 @@ from .engines.base import params_from_config
 from .engines.seeded import stream_seed
 from .errors import Interrupted, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
+from .estimators.basis_mix import ValueTracker
 from .estimators.probe import ReplayBuffer
 from .evaluate import evaluate
 from .faults import maybe_kill
 from .metrics import MetricsLog
 from .models import cache_root, count_parameters, reset_peak_memory
 from .priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
-from .resume import resume_from, stored_decisions
+from .resume import fresh_learning_state, resume_from, stored_decisions
 from .rewards import RewardScorer, column_names, example_columns
 from .run_folder import claim_on_main, interrupt_message
 from .runtime import DECIDED_FILE, Decided, build_policy, decide_run, seed_everything
@@ -75,6 +76,8 @@ class RunState:
     prior_table: dict | None = None
     history: dict = dataclasses.field(default_factory=dict)  # example id -> [successes, rollouts] of earlier steps
     replay: ReplayBuffer | None = None  # earlier steps' rollouts, for estimators that keep a buffer
+    est_state: object = None  # the estimator's own state across steps (EstimatorSpec.state), e.g. basis mix
+    value_tracker: ValueTracker | None = None  # data.value_sampling: per-prompt tracked values for the sampler
     step: int = 0  # last completed step
     bad_steps: int = 0  # non-finite steps in a row
     summary: dict = dataclasses.field(default_factory=dict)
@@ -198,8 +201,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
             prompt_of={ex.id: format_prompt(tok, ex.prompt, cfg.data) for ex in train_ex},
             eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress, ranks=ranks,
             per_prompt_rng=decided.rng == "per_prompt", decided=decided)
-        if run.estimator.replay_capacity is not None:
-            run.replay = ReplayBuffer(run.estimator.replay_capacity(cfg.estimator.options))
+        fresh_learning_state(run)
         if run.with_prior and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
         last = resume_from(run, train_ex) if resume else None
@@ -225,6 +227,7 @@ def load_prior(run: RunState, train_ex) -> None:
     """
     cfg = run.cfg
     rng_before = ckpt.rng_state()
+    train_ex = list({e.id: e for e in train_ex}.values())  # a revisited question is sampled once
     args = (cfg, cache_root(cfg.model.cache_dir), run.engine, run.model, train_ex,
             [run.prompt_of[e.id] for e in train_ex], run.scorer, params_from_config(cfg.generation),
             cfg.estimator.prior_samples)
@@ -245,6 +248,8 @@ def checkpoint_state(run: RunState) -> dict:
             "prior_key": run.prior_table["key"] if run.prior_table else None,
             "ranks": run.ranks.world, "rng_mode": "per_prompt" if run.per_prompt_rng else "global",
             "replay": run.replay.state_dict() if run.replay is not None else None,
+            "estimator_state": run.est_state.state_dict() if run.est_state is not None else None,
+            "value_tracker": run.value_tracker.state_dict() if run.value_tracker is not None else None,
             "decided": run.decided.as_dict() if run.decided is not None else None}
 
 
@@ -314,8 +319,12 @@ def baselines(run: RunState, step: Step):
     prior = prior_values(ids, run.prior_table, run.history if run.uses_history else None) if run.with_prior else None
     ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=step.features, history=run.history,
                            trajectory_features=step.trajectory, replay=run.replay, options=est.options,
-                           normalize=est.normalize)
+                           normalize=est.normalize, state=run.est_state)
     adv, base = run.estimator.compute(step.rewards, ctx)
+    if run.est_state is not None:  # after the baselines, like the history and the replay buffer
+        run.est_state.observe(step.n, ids, step.rewards)
+    if run.value_tracker is not None:
+        run.value_tracker.observe(ids, step.rewards)
     if run.uses_history:  # after the baselines: a prompt's history never holds its current reward
         for ex, row in zip(step.batch, step.rewards):
             h = run.history.setdefault(ex.id, [0, 0])
@@ -395,10 +404,15 @@ def maybe_checkpoint(run: RunState, n: int) -> None:
                                  cfg.train.keep_last)
 
 
+def _loo_ref(rec: dict) -> str:
+    ref = rec.get("explained_variance_loo_ref")
+    return f" (LOO {ref:+.2f})" if ref is not None and math.isfinite(ref) else ""
+
+
 def step_line(rec: dict) -> str:
     """The one-line report of a step; a step that left the adapter unchanged says so and why."""
     line = (f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
-            f"baseline {rec['baseline_mean']:.3f} | EV {rec['explained_variance']:+.2f} | "
+            f"baseline {rec['baseline_mean']:.3f} | EV {rec['explained_variance']:+.2f}{_loo_ref(rec)} | "
             f"len {rec['completion_len']:.0f} | gen {rec['generation_s']:.1f}s train {rec['training_s']:.1f}s")
     if rec.get("zero_update"):
         if rec.get("skipped"):

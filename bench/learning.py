@@ -70,6 +70,17 @@ step with its standard error, each seed's numbers, and the paired per-seed diffe
 
     python bench/learning.py --steps 20 --eval-every 10 --arms basis,reinforce_pp --seeds 0 1 2 --quiet
 
+Issue 22 arms (not run in the session that added them: each is one seed of the default job, about 7 min on 2
+cores, grpo8_wide about 8x a step's generation): the BASIS mix, prompt selection by value and GRPO at equal prompts
+(32 x 8, the BASIS paper's comparison) beside BASIS, REINFORCE++, RLOO-2 and GRPO at equal rollouts (4 x 8), 5 seeds,
+on the default task, on the old two-digit mix and on wordproblems (eval_size 300: 100 per level):
+
+    python bench/learning.py --steps 20 --eval-every 5 --eval-size 300 --seeds 0 1 2 3 4 --quiet \
+        --arms basis,basis_mix,basis_value,reinforce_pp,rloo2,grpo8,grpo8_wide --out bench/results/mix
+    python bench/learning.py --preset cpu-smollm2-arith-add2 ... --out bench/results/mix-add2
+    python bench/learning.py --set data.dataset=wordproblems --set 'data.levels=[1,4,5]' ... \
+        --out bench/results/mix-wordproblems
+
 EAPO (prior on levels 1-3, then levels 4-5 with and without injection, three seeds; about 2 hours on 2 cores):
 
     python bench/learning.py --steps 20 --eval-every 10 --arms eapo_prior,hard,hard_eapo --seeds 0 1 2 --quiet \
@@ -113,12 +124,14 @@ from basis_lite.config import ConfigError, load_config  # noqa: E402
 
 DEFAULT_ARMS = ("basis", "basis_prior", "reinforce_pp", "grpo8")  # --arms picks the others
 PROBE_ARMS = ("basis_probe", "rloo2", "poise", "poise_wide")
+MIX_ARMS = ("basis_mix", "basis_value", "grpo8_wide")  # issue 22
 EAPO_ARMS = ("eapo_prior", "hard", "hard_eapo")
-ARMS = DEFAULT_ARMS + PROBE_ARMS + EAPO_ARMS
+ARMS = DEFAULT_ARMS + PROBE_ARMS + MIX_ARMS + EAPO_ARMS
 GROUP = 8  # grpo8's rollouts per prompt
 COLORS = {"basis": "tab:blue", "basis_prior": "tab:green", "reinforce_pp": "tab:orange", "grpo8": "tab:red",
           "basis_probe": "tab:cyan", "rloo2": "tab:gray", "poise": "tab:purple", "poise_wide": "tab:pink",
-          "eapo_prior": "tab:olive", "hard": "tab:brown", "hard_eapo": "tab:cyan"}
+          "eapo_prior": "tab:olive", "hard": "tab:brown", "hard_eapo": "tab:cyan", "basis_mix": "navy",
+          "basis_value": "teal", "grpo8_wide": "darkred"}
 DESCRIPTIONS = {
     "basis": "BASIS, 1 rollout/prompt, no prior",
     "basis_prior": "BASIS, 1 rollout/prompt, offline prior (cold, counted in the clock)",
@@ -131,11 +144,15 @@ DESCRIPTIONS = {
     "rloo2": "RLOO, 2 rollouts/prompt, half the prompts",
     "poise": "POISE, 2 rollouts/prompt, half the prompts",
     "poise_wide": "POISE, 2 rollouts/prompt, all the prompts (2x the rollouts per step)",
+    "basis_mix": "BASIS mix (LOO mean, pooling, probe prior, value tracker; weights from earlier batches)",
+    "basis_value": "BASIS, prompts selected by tracked value (data.value_sampling=1)",
+    "grpo8_wide": f"GRPO, {GROUP} rollouts/prompt, all the prompts ({GROUP}x the rollouts per step)",
 }
 # paired differences by seed: arm -> the arm it is compared with
 PAIR_BASE = {"basis": "reinforce_pp", "basis_prior": "reinforce_pp", "grpo8": "reinforce_pp",
              "basis_probe": "reinforce_pp", "rloo2": "reinforce_pp", "poise": "reinforce_pp",
-             "poise_wide": "reinforce_pp", "hard_eapo": "hard"}
+             "poise_wide": "reinforce_pp", "hard_eapo": "hard", "basis_mix": "basis", "basis_value": "basis",
+             "grpo8_wide": "basis"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -193,6 +210,13 @@ def arm_overrides(arm: str, batch_size: int, prior_samples: int, hard_levels: li
         name = "poise" if arm == "poise" else "rloo"
         return [f"estimator.name={name}", "estimator.rollouts_per_prompt=2", "estimator.prior_samples=0",
                 f"train.batch_size={batch_size // 2}"]
+    if arm == "basis_mix":
+        return one + ["estimator.options={mix: true}"]
+    if arm == "basis_value":
+        return one + ["data.value_sampling=1.0"]
+    if arm == "grpo8_wide":  # the BASIS paper's comparison: the same prompts per step, 8 rollouts each
+        return ["estimator.name=grpo", f"estimator.rollouts_per_prompt={GROUP}", "estimator.prior_samples=0",
+                f"train.batch_size={batch_size}"]
     if arm == "poise_wide":
         return ["estimator.name=poise", "estimator.rollouts_per_prompt=2", "estimator.prior_samples=0",
                 f"train.batch_size={batch_size}"]

@@ -49,8 +49,17 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def probe_examples(train_examples: list, n: int, seed: int) -> list:
-    """The fixed probe prompts: n of the train split drawn uniformly (seeded), in the split's order."""
-    pick = random.Random(f"probe-prompts/{seed}").sample(range(len(train_examples)), min(n, len(train_examples)))
+    """The fixed probe prompts: n distinct ones of the train split drawn uniformly over its entries (seeded, so a
+    revisited question is as likely as the training draw makes it), in the split's order."""
+    rng = random.Random(f"probe-prompts/{seed}")
+    if len({ex.id for ex in train_examples}) == len(train_examples):
+        pick = rng.sample(range(len(train_examples)), min(n, len(train_examples)))
+    else:
+        seen, pick = set(), []
+        for i in rng.sample(range(len(train_examples)), len(train_examples)):
+            if len(pick) < n and train_examples[i].id not in seen:
+                seen.add(train_examples[i].id)
+                pick.append(i)
     return [train_examples[i] for i in sorted(pick)]
 
 

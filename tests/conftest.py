@@ -39,8 +39,9 @@ REWARD = "tests.reward_fns:char_sum_reward"
 FAST = ["model.dtype=float32", "estimator.prior_samples=0", "train.threads=1", "generation.max_new_tokens=8",
         "train.eval_max_new_tokens=4", "data.eval_size=4", "reward.timeout_s=0"]
 VARIED = FAST + [f"reward.functions=[{REWARD}]"]
-STEP_FIELDS = ("step", "reward_mean", "accuracy", "baseline_mean", "advantage_std", "explained_variance", "kl",
-               "entropy", "completion_len", "generation_s", "training_s", "tokens_per_s", "peak_memory_mb")
+STEP_FIELDS = ("step", "reward_mean", "accuracy", "baseline_mean", "advantage_std", "explained_variance",
+               "explained_variance_loo_ref", "kl", "entropy", "completion_len", "generation_s", "training_s",
+               "tokens_per_s", "peak_memory_mb")
 
 
 def sets(overrides) -> list[str]:

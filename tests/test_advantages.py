@@ -692,3 +692,156 @@ def test_registry_and_config_load_without_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------------------
+# BASIS mix (basis_mix.py): parts that leave r_i out, weighted by earlier batches
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _mix_history(options, steps=6, B=8, seed=0):
+    """A BasisState and replay buffer after `steps` earlier batches over a pool of 12 prompts whose success rate
+    follows their first feature, and the next batch: (state, replay, ids, rewards [B], features [B, D])."""
+    from basis_lite.estimators.basis_mix import make_state
+    from basis_lite.estimators.probe import ReplayBuffer
+
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(12, 5, dtype=D, generator=g)
+    rate = torch.sigmoid(2 * feats[:, 0])
+    state, buf = make_state({"mix": True, **options}), ReplayBuffer(4096)
+    ctx_opts = {"mix": True, **options}
+
+    def batch():
+        idx = torch.randint(0, 12, (B,), generator=g)
+        idx[1] = idx[0]  # the same prompt twice in a batch
+        return [f"p{int(i)}" for i in idx], torch.bernoulli(rate[idx], generator=g), feats[idx]
+
+    for step in range(steps):
+        ids, r, f = batch()
+        ctx = EstimatorContext(prompt_ids=ids, features=f, replay=buf, options=ctx_opts, state=state)
+        get_estimator("basis").compute(r[:, None], ctx)
+        state.observe(step, ids, r[:, None])
+        buf.add(step, ids, r[:, None], f)
+    ids, r, f = batch()
+    return state, buf, ids, r, f
+
+
+_MIX_COMBOS = [{}, {"mix_parts": ["tracker"]}, {"mix_parts": ["probe", "pool"], "mix_memory": 1.0},
+               {"mix_rate": 0.05, "tracker_decay": 0.5, "tracker_prior_count": 8, "probe_min_rows": 2},
+               {"combine": "residual", "bandwidth": "cv", "shrink": "cv"}]
+
+
+@pytest.mark.parametrize("opts", _MIX_COMBOS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+def test_mix_baseline_ignores_own_reward(opts):
+    """Every part and the weights of the mix leave r_i out: flipping r_i moves no b_i, with or without an offline
+    prior, with a warm probe and a tracker that has seen the batch's prompts (one of them twice in the batch)."""
+    state, buf, ids, r, f = _mix_history({**opts, "probe_min_rows": opts.get("probe_min_rows", 8)})
+    assert len(state.tracker.table) > 0 and buf.rows >= 8
+    assert len({round(v, 9) for v in state.loss.values()}) > 1  # the weights are no longer equal
+    prior = torch.rand(len(ids), dtype=D, generator=torch.Generator().manual_seed(1))
+    for p in (None, prior):
+        def run(rr):
+            ctx = EstimatorContext(prompt_ids=ids, prior=p, features=f, replay=buf, state=state,
+                                   options={"mix": True, **opts, "probe_min_rows": opts.get("probe_min_rows", 8)})
+            return get_estimator("basis").compute(rr[:, None], ctx)[1][:, 0]
+
+        b = run(r)
+        assert torch.isfinite(b).all() and ((b >= 0) & (b <= 1)).all()
+        for i in range(len(ids)):
+            r2 = r.clone()
+            r2[i] = 1.0 - r2[i]
+            assert abs(run(r2)[i].item() - b[i].item()) <= 1e-9, (p is None, i)
+
+
+def test_mix_parts_are_used_and_weights_follow_earlier_errors():
+    from basis_lite.estimators.basis_mix import basis_mix
+
+    state, buf, ids, r, f = _mix_history({"probe_min_rows": 8})
+    ctx = EstimatorContext(prompt_ids=ids, features=f, replay=buf, options={"mix": True, "probe_min_rows": 8},
+                           state=state)
+    _, base = basis_mix(r[:, None], ctx, state)
+    parts = state.pending
+    assert set(parts) == {"loo", "pool", "probe", "tracker"}
+    w = state.mix_weights()
+    lo = min(state.loss.values())
+    for p in parts:  # w_k proportional to exp(-rate * L_k)
+        assert w[p] == pytest.approx(math.exp(-0.5 * (state.loss[p] - lo)) / sum(
+            math.exp(-0.5 * (v - lo)) for v in state.loss.values()))
+    torch.testing.assert_close(base, sum(w[p] * parts[p] for p in parts))
+    torch.testing.assert_close(parts["loo"][:, 0], leave_one_out_mean(r))
+    # the tracker part's prior: decayed own successes plus the probe's guess worth tracker_prior_count rollouts
+    s, n = state.tracker.counts(ids)
+    assert n.max() > 0
+    assert not torch.allclose(parts["tracker"], parts["pool"])
+    assert state.metrics() == {f"mix_weight_{p}": w[p] for p in parts}
+
+
+def test_mix_stays_within_the_regret_bound_of_the_leave_one_out_mean():
+    """Exponential weights on squared error (rate <= 1/2, memory 1): whatever the parts do, the mix's total squared
+    error is at most the leave-one-out mean's plus log(parts) / rate. Here the features point the wrong way
+    (prompts that look alike have opposite success rates), so pooling by them hurts."""
+    from basis_lite.estimators.basis_mix import make_state
+
+    g = torch.Generator().manual_seed(7)
+    opts = {"mix": True, "mix_memory": 1.0, "mix_parts": ["pool"], "bandwidth": 0.05, "shrink": 0.0}
+    state = make_state(opts)
+    err_mix = err_loo = err_pool = 0.0
+    for step in range(40):
+        x = torch.randn(16, 3, dtype=D, generator=g)
+        r = torch.bernoulli(torch.sigmoid(4 * x[:, 0]), generator=g)
+        f = x.clone()
+        f[:, 0] = -x[:, 0] + 3 * torch.sign(x[:, 0]) * (step % 2)  # misleading on alternate steps
+        ids = [f"s{step}-{i}" for i in range(16)]
+        ctx = EstimatorContext(prompt_ids=ids, features=f, options=opts, state=state)
+        _, base = get_estimator("basis").compute(r[:, None], ctx)
+        err_mix += float(((r - base[:, 0]) ** 2).sum())
+        err_loo += float(((r - state.pending["loo"][:, 0]) ** 2).sum())
+        err_pool += float(((r - state.pending["pool"][:, 0]) ** 2).sum())
+        state.observe(step, ids, r[:, None])
+    assert err_mix <= min(err_loo, err_pool) + math.log(2) / 0.5 + 1e-9
+
+
+def test_value_tracker_counts_by_hand_and_state_round_trips_exactly():
+    import json
+
+    from basis_lite.estimators.basis_mix import ValueTracker, make_state
+
+    t = ValueTracker(decay=0.5, prior_count=2.0)
+    t.observe(["a", "b"], torch.tensor([[1.0], [0.0]]))
+    t.observe(["a"], torch.tensor([[1.0]]))
+    t.observe(["c"], torch.tensor([[0.0]]))
+    # a: 1 * 0.5 + 1 = 1.5 successes at t=1, read at t=3: * 0.25; b: 1 failure at t=0, read at t=3: * 0.125
+    s, n = t.counts(["a", "b", "c", "new"])
+    torch.testing.assert_close(s, torch.tensor([0.375, 0.0, 0.0, 0.0], dtype=D))
+    torch.testing.assert_close(n, torch.tensor([0.375, 0.125, 0.5, 0.0], dtype=D))
+    v = t.value(["a", "new"], torch.tensor([0.2, 0.2], dtype=D))
+    torch.testing.assert_close(v, torch.tensor([(0.375 + 0.4) / 2.375, 0.2], dtype=D))
+    state, buf, ids, r, f = _mix_history({"probe_min_rows": 8})
+    again = make_state({"mix": True, "probe_min_rows": 8})
+    again.load_state_dict(json.loads(json.dumps(state.state_dict())))  # the checkpoint stores it as JSON
+    assert again.state_dict() == state.state_dict()
+    outs = []
+    for st in (state, again):
+        ctx = EstimatorContext(prompt_ids=ids, features=f, replay=buf, options={"mix": True, "probe_min_rows": 8},
+                               state=st)
+        outs.append(get_estimator("basis").compute(r[:, None], ctx)[1])
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="mix_parts"):
+        make_state({"mix": True, "mix_parts": ["pool"]}).load_state_dict(state.state_dict())
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"mix": "yes"}, r"estimator\.options\.mix: 'yes'.*true or false"),
+    ({"mix": True, "mix_parts": ["pool", "oracle"]}, r"mix_parts.*loo, pool, probe, tracker"),
+    ({"mix": True, "mix_rate": 0}, r"mix_rate: 0 .*> 0"),
+    ({"mix": True, "mix_memory": 1.5}, r"mix_memory.*\[0, 1\]"),
+    ({"mix": True, "tracker_decay": 0}, r"tracker_decay.*\(0, 1\]"),
+    ({"mix": True, "probe_min_rows": 1}, r"probe_min_rows.*>= 2"),
+    ({"mix": True, "bandwidth": "cv"}, r"cannot be combined with mix"),
+])
+def test_mix_option_errors(options, match):
+    with pytest.raises(ConfigError, match=match):
+        get_estimator("basis").validate_options(options)
+    assert get_estimator("basis").replay_capacity({"mix": True}) == 4096
+    assert get_estimator("basis").replay_capacity({"mix": True, "mix_parts": ["pool"]}) is None
+    assert get_estimator("basis").replay_capacity({}) is None and get_estimator("basis").make_state({}) is None

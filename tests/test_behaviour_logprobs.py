@@ -198,7 +198,7 @@ def test_mismatch_correction_default_per_engine():
 
 
 @pytest.mark.parametrize("override,match", [
-    ("train.ppo_epochs=0", r"train.ppo_epochs: must be an integer >= 1"),
+    ("train.ppo_epochs=0", r"train.ppo_epochs: must be an integer in \[1, 100\]"),
     ("train.mismatch_cap=0.5", r"train.mismatch_cap: must be a number >= 1"),
     ("train.mismatch_correction=sometimes", r"train.mismatch_correction: 'sometimes' is not accepted; choose one of "
                                             r"auto, always, never"),

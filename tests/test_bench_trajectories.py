@@ -19,7 +19,8 @@ def _module(name, file):
     return mod
 
 
-OVERRIDES = VARIED + ["train.steps=3", "train.batch_size=4"]
+# generate() in both runs: the recorded run samples with trajectory features, which the fast CPU path leaves to it
+OVERRIDES = VARIED + ["train.steps=3", "train.batch_size=4", "generation.fast_cpu=off"]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_probe_prompts_have_the_training_mix_of_problem_kinds():
 
     rt = _module("bench_record_trajectories_pick", "record_trajectories.py")
     vt = _module("bench_value_mse_trajectories_mix", "value_mse_trajectories.py")
-    cfg = load_config("cpu-smollm2-arith", [])
+    cfg = load_config("cpu-smollm2-arith-add2", [])  # the mix the recordings in bench/results were made on
     train = load_examples(cfg.data, "train")
     split = vt.kind_mix([ex.id for ex in train])["add2"]
     head = vt.kind_mix([ex.id for ex in train[:128]])["add2"]
@@ -70,6 +71,10 @@ def test_probe_prompts_have_the_training_mix_of_problem_kinds():
     assert split > 0.9 and head < split - 0.2  # why the head is not used
     assert abs(vt.kind_mix([ex.id for ex in picked])["add2"] - split) < 0.08
     assert rt.probe_examples(train, 128, cfg.data.seed) == picked  # seeded
+    # the default mix revisits level 1's questions: the probe prompts are still distinct
+    train = load_examples(load_config("cpu-smollm2-arith", []).data, "train")
+    picked = rt.probe_examples(train, 128, cfg.data.seed)
+    assert len({ex.id for ex in picked}) == 128 and {ex.id for ex in picked} <= {ex.id for ex in train}
 
 
 def test_value_mse_on_trajectories(recording):

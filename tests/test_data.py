@@ -17,7 +17,8 @@ def cfg(**kw) -> DataConfig:
 @pytest.mark.parametrize("task, levels", [("arithmetic", [1, 2, 3, 4, 5, 6, 7, 8]), ("algebra", [1, 2, 3, 4, 5, 6]),
                                          ("wordproblems", [1, 2, 3, 4, 5, 6])])
 def test_builtin_deterministic_disjoint_and_sized(task, levels):
-    c = cfg(dataset=task, levels=levels, train_size=500, eval_size=100, seed=7)
+    # data.revisit off: every question once, even where a level runs out (arithmetic's levels 1 and 2 here)
+    c = cfg(dataset=task, levels=levels, train_size=500, eval_size=100, seed=7, revisit=False)
     tr, ev = load_examples(c, "train"), load_examples(c, "eval")
     assert len(tr) == 500 and len(ev) == 100
     assert [e.question for e in tr] == [e.question for e in load_examples(c, "train")]  # deterministic
@@ -27,7 +28,8 @@ def test_builtin_deterministic_disjoint_and_sized(task, levels):
     assert not qt & qe  # disjoint splits
     assert {e.meta["level"] for e in tr} == set(levels)  # every level contributes
     assert all(set(e.meta) >= {"level", "family"} for e in tr)
-    other = load_examples(cfg(dataset=task, levels=levels, train_size=500, eval_size=100, seed=8), "train")
+    other = load_examples(cfg(dataset=task, levels=levels, train_size=500, eval_size=100, seed=8, revisit=False),
+                          "train")
     assert [e.question for e in other] != [e.question for e in tr]
 
 
@@ -70,6 +72,42 @@ def test_wordproblem_answers_follow_the_story():
             assert nums[0] % nums[1] == 0, e  # equal shares are whole
         assert e.question.endswith("?") and " 1 " not in e.question  # plural nouns: no quantity of one
     assert seen == set(rules)
+
+
+def test_revisit_keeps_each_level_share_of_the_training_draw(caplog):
+    """Levels [1, 3, 5] (the default preset): level 1 holds 100 questions, 50 go to the eval split, so its third of
+    2000 training problems revisits the other 50; the eval split never repeats and never meets the training one."""
+    from collections import Counter
+
+    c = cfg(dataset="arithmetic", levels=[1, 3, 5], train_size=2000, eval_size=150)
+    with caplog.at_level(logging.INFO, logger="basis_lite.data"):
+        tr, ev = load_examples(c, "train"), load_examples(c, "eval")
+    assert Counter(e.meta["level"] for e in tr) == {1: 667, 3: 667, 5: 666}
+    assert Counter(e.meta["level"] for e in ev) == {1: 50, 3: 50, 5: 50}
+    assert len({e.question for e in ev}) == 150 and not {e.question for e in tr} & {e.question for e in ev}
+    lv1 = [e for e in tr if e.meta["level"] == 1]
+    assert len({e.question for e in lv1}) == 50  # every level-1 question the eval split left, each about 13 times
+    assert [e.id for e in lv1[50:100]] == [e.id for e in lv1[:50]]  # revisited in the order first drawn
+    for lv in (3, 5):
+        qs = [e.question for e in tr if e.meta["level"] == lv]
+        assert len(qs) == len(set(qs))  # levels with questions to spare never repeat
+    assert "level 1: only 50 distinct train questions" in caplog.text and "revisited" in caplog.text
+    assert [e.id for e in tr] == [e.id for e in load_examples(c, "train")]  # seeded
+
+
+def test_revisit_off_gives_the_old_crowded_out_draw_and_changes_nothing_where_nothing_runs_out():
+    from collections import Counter
+
+    old = cfg(dataset="arithmetic", levels=[1, 2, 3], train_size=2000, eval_size=150, revisit=False)
+    assert Counter(e.meta["level"] for e in load_examples(old, "train")) == {1: 18, 2: 37, 3: 1945}
+    new = cfg(dataset="arithmetic", levels=[1, 2, 3], train_size=2000, eval_size=150)
+    assert Counter(e.meta["level"] for e in load_examples(new, "train")) == {1: 667, 2: 667, 3: 666}
+    # the smoke preset's data (nothing runs out): the same draw either way
+    for levels, n_train, n_eval in (([1, 2], 64, 8), ([3, 4], 500, 50)):
+        a = load_examples(cfg(dataset="arithmetic", levels=levels, train_size=n_train, eval_size=n_eval), "train")
+        b = load_examples(cfg(dataset="arithmetic", levels=levels, train_size=n_train, eval_size=n_eval,
+                              revisit=False), "train")
+        assert [e.id for e in a] == [e.id for e in b]
 
 
 def test_eval_split_does_not_depend_on_train_size():
@@ -458,3 +496,48 @@ def test_prompt_sampler_state_round_trip():
         PromptSampler(_examples(8), 3, seed=5).load_state_dict(state)
     with pytest.raises(ValueError):
         PromptSampler([], 3)
+
+
+def test_value_sampling_draws_prompts_near_0_or_1_less_and_stays_resumable():
+    """data.value_sampling: a prompt the tracker has seen succeed (or fail) every time is kept less often; one never
+    seen, or seen half right, always; the coins are seeded by (seed, epoch, position), so the draw resumes."""
+    import torch
+
+    from basis_lite.estimators.basis_mix import ValueTracker, selection_probability
+
+    ex = _examples(20)
+    tracker = ValueTracker(decay=1.0)
+    for rnd in range(6):  # ids 0-4 always right, 5-9 always wrong, 10-14 half right, 15-19 never seen
+        tracker.observe([str(i) for i in range(15)],
+                        torch.tensor([[1.0]] * 5 + [[0.0]] * 5 + [[float((k + rnd) % 2)] for k in range(5)]))
+    accept = selection_probability(tracker, 1.0)
+    v = 7 / 8  # (6 + 1) / (6 + 2)
+    assert accept(ex[0]) == pytest.approx(2 * (v * (1 - v)) ** 0.5) == pytest.approx(accept(ex[7]))
+    assert accept(ex[19]) == 1.0 and accept(ex[11]) == pytest.approx(1.0, abs=0.01)
+    assert selection_probability(tracker, 0.0)(ex[0]) == 1.0
+    assert selection_probability(tracker, 0.5)(ex[0]) == pytest.approx(1 - 0.5 * (1 - accept(ex[0])))
+
+    s = PromptSampler(ex, batch_size=4, seed=3, accept=accept)
+    drawn = [e.id for _ in range(100) for e in next(s)]
+    counts = {k: drawn.count(str(k)) for k in range(20)}
+    near = sum(counts[k] for k in range(10)) / 10
+    mid = sum(counts[k] for k in range(10, 20)) / 10
+    assert near < 0.8 * mid  # accept ~0.66 vs ~1
+    assert s.skipped > 0 and s.state_dict()["skipped"] == s.skipped
+    state = json.loads(json.dumps(s.state_dict()))
+    expected = [[e.id for e in next(s)] for _ in range(5)]
+    t = PromptSampler(ex, batch_size=4, seed=3, accept=accept)
+    t.load_state_dict(state)
+    assert [[e.id for e in next(t)] for _ in range(5)] == expected and t.skipped == s.skipped
+    # everything kept: the same order as without selection
+    plain, every = PromptSampler(ex, 4, seed=3), PromptSampler(ex, 4, seed=3, accept=lambda e: 1.0)
+    assert [[e.id for e in next(plain)] for _ in range(12)] == [[e.id for e in next(every)] for _ in range(12)]
+
+
+def test_value_sampling_config_range():
+    from basis_lite.config import load_config
+    from basis_lite.errors import ConfigError
+
+    assert load_config("smoke", ["data.value_sampling=0.5"]).data.value_sampling == 0.5
+    with pytest.raises(ConfigError, match=r"data\.value_sampling"):
+        load_config("smoke", ["data.value_sampling=1.5"])

@@ -23,12 +23,15 @@ import torch
 from conftest import REPO, VARIED, adapter_weights, cli_main, sets, step_records, subprocess_env
 
 STEPS = 3
-# with a K=2 prior: each torchrun job has a cache of its own, so its ranks compute the prior (split between them)
+# with a K=2 prior: each torchrun job has a cache of its own, so its ranks compute the prior (split between them);
+# with the basis mix on 8 training prompts, so that its per-prompt tracker meets prompts again (every rank keeps
+# the same tracker, probe buffer and mix losses from the gathered global batch, and the checkpoint restores them)
 OVERRIDES = VARIED + [f"train.steps={STEPS}", "train.batch_size=4", "train.micro_batch_size=2", "train.save_every=2",
-                      "estimator.prior_samples=2", "train.ppo_epochs=2"]  # two passes: each pass's gradients summed
+                      "estimator.prior_samples=2", "train.ppo_epochs=2",  # two passes: each pass's gradients summed
+                      "estimator.options={mix: true, probe_min_rows: 4}", "data.train_size=8"]
 KILL = "generation:3"  # after the checkpoint of step 2
 COMPARED = ("reward_mean", "accuracy", "baseline_mean", "advantage_std", "explained_variance", "loss", "grad_norm",
-            "entropy", "completion_len", "lr", "clip_fraction", "update_norm")
+            "entropy", "completion_len", "lr", "clip_fraction", "update_norm", "mix_weight_loo", "mix_weight_tracker")
 
 
 def _torchrun(log_dir: Path, run_dir: Path, args: list[str], **env) -> subprocess.Popen:

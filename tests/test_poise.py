@@ -295,8 +295,12 @@ def test_specs_and_replay_capacity():
     assert (b.min_rollouts, b.uses_trajectory, b.uses_features, b.uses_history) == (1, False, True, True)
     assert p.replay_capacity({}) == 4096 and p.replay_capacity({"buffer_size": 100}) == 100
     assert b.replay_capacity({"buffer_size": 7, "bandwidth": 0.5}) == 7
-    for name in ("basis", "reinforce_pp", "grpo", "dr_grpo", "rloo"):
+    for name in ("reinforce_pp", "grpo", "dr_grpo", "rloo"):
         assert get_estimator(name).replay_capacity is None and not get_estimator(name).uses_trajectory
+    # basis keeps a buffer only for its mix's probe (estimator.options.mix)
+    basis = get_estimator("basis")
+    assert basis.replay_capacity({}) is None and basis.replay_capacity({"mix": True}) == 4096
+    assert not basis.uses_trajectory
     assert "never uses r_i" in p.description and "never uses r_i" in b.description
 
 

@@ -17,10 +17,15 @@ ARMS = {
     "poise": ["estimator.name=poise", "estimator.rollouts_per_prompt=2",
               "estimator.options={min_rows: 8, ridge: cv, pca_prompt: 4, pca_hidden: 4}"],
     "basis_probe": ["estimator.name=basis_probe", "estimator.history=true", "estimator.options={min_rows: 4}"],
+    # basis mix (tracker, probe, mix losses in the checkpoint) and value sampling (its own tracker): 8 training
+    # prompts, so every prompt comes back every other step
+    "basis_mix": ["estimator.options={mix: true, probe_min_rows: 4}", "data.train_size=8",
+                  "data.value_sampling=1.0"],
 }
-KILLS = [("poise", "generation:3"), ("poise", "checkpoint:3"), ("basis_probe", "optimizer:3")]
+KILLS = [("poise", "generation:3"), ("poise", "checkpoint:3"), ("basis_probe", "optimizer:3"),
+         ("basis_mix", "generation:3")]
 COMPARED = ("reward_mean", "baseline_mean", "explained_variance", "loss", "advantage_std", "grad_norm",
-            "replay_rows")
+            "replay_rows", "mix_weight_loo", "mix_weight_tracker", "value_sampling_skipped")
 
 
 def _args(arm, run):
@@ -48,10 +53,10 @@ def runs(tmp_path_factory):
     return ref, killed
 
 
-def _replay(run):
+def _replay(run, key="replay"):
     from basis_lite import checkpoint as ckpt
 
-    return ckpt.load_state(ckpt.latest_checkpoint(run))["replay"]
+    return ckpt.load_state(ckpt.latest_checkpoint(run))[key]
 
 
 def test_the_probe_is_in_use(runs):
@@ -91,3 +96,14 @@ def test_killed_probe_run_resumes_exactly(runs, arm, point):
             torch.testing.assert_close(sg[k], v, rtol=0, atol=0, equal_nan=True, msg=k)
         else:
             assert v == sg[k], k
+    for key in ("estimator_state", "value_tracker", "sampler"):  # the mix's tracker and losses, bit for bit
+        assert _replay(run, key) == _replay(ref[arm], key), key
+
+
+def test_the_mix_tracks_repeated_prompts(runs):
+    ref, _ = runs
+    recs = step_records(ref["basis_mix"])
+    assert all(abs(sum(r[f"mix_weight_{p}"] for p in ("loo", "pool", "probe", "tracker")) - 1) < 1e-9 for r in recs)
+    state = _replay(ref["basis_mix"], "estimator_state")
+    assert state["tracker"]["t"] == STEPS and len(state["tracker"]["table"]) == 8  # all 8 prompts seen
+    assert _replay(ref["basis_mix"], "value_tracker")["t"] == STEPS

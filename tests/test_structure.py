@@ -17,11 +17,11 @@ LAYERS = [
     {"estimators", "estimators.basis_options", "estimators.probe_options", "loss_specs", "config_keys", "config"},
     # numerics: losses, estimators' functions, data, rewards
     {"losses", "estimators.base", "estimators.simple", "estimators.basis_blocks", "estimators.basis",
-     "estimators.probe", "estimators.poise", "data", "data.example", "data.rows", "data.loading", "data.prompts", "data.sampler",
+     "estimators.probe", "estimators.poise", "estimators.basis_mix", "data", "data.example", "data.rows", "data.loading", "data.prompts", "data.sampler",
      "rewards", "reward_worker", "metrics", "plot"},
     # model loading, engines, distributed, updates, checkpoints, export
     {"models", "unsloth_backend", "engines", "engines.base", "engines.hf", "engines.seeded", "engines.trajectory",
-     "engines.vllm", "distributed", "update", "checkpoint", "plan", "export_check", "step", "run_folder", "dtypes",
+     "engines.vllm", "engines.fast_cpu", "distributed", "update", "checkpoint", "plan", "export_check", "step", "run_folder", "dtypes",
      "eapo"},
     # assembly
     {"runtime", "evaluate", "priors", "runs", "resume", "trainer", "export", "gguf_export"},

@@ -28,6 +28,7 @@ from basis_lite import checkpoint as ckpt
 
 SMOKE_STEP_KEYS = {
     "accuracy", "advantage_std", "baseline_mean", "clip_fraction", "completion_len", "engine_log_ratio_max",
+    "explained_variance_loo_ref",
     "engine_log_ratio_mean", "entropy", "explained_variance", "format_rate", "generation_s", "grad_norm", "kl", "loss",
     "lr", "peak_memory_mb", "reward_mean", "reward_warnings", "skipped", "step", "tokens_per_s", "trained_sequences",
     "training_s", "update_norm", "zero_update"}
@@ -202,6 +203,9 @@ def test_no_progress_still_prints_step_lines_and_a_zero_update_says_so(capsys, t
     assert all(line.endswith("| NO UPDATE (every advantage is 0)") for line in lines), lines
     recs = step_records(run)
     assert all(r["zero_update"] is True and r["update_norm"] == 0.0 and r["trained_sequences"] == 0 for r in recs)
+    # the leave-one-out mean's explained variance beside the baseline's: 1 - (B/(B-1))^2 at B = 8 prompts x 1
+    assert all(r["explained_variance_loo_ref"] == pytest.approx(1 - (8 / 7) ** 2) for r in recs)
+    assert all("(LOO -0.31)" in line for line in lines), lines
     assert not [r for r in read_lines(run) if "event" in r]  # no eval lines
     assert "no held-out accuracy: the eval split is empty (data.eval_size=0)" in out
     assert "0.000 ->" not in out and "accuracy 0.000" not in out

@@ -65,7 +65,8 @@ def _stop_on_a_sampled_token(eng, params, seed):
 @pytest.mark.parametrize("layer", [0, 1])
 def test_captured_features_equal_a_teacher_forced_forward(policy, layer):
     model, tok = policy
-    eng = HFEngine(model, tok, batch_size=16, feature_layer=layer, trajectory_tokens=3)
+    # generate(), where trajectory features are captured (the fast CPU path falls back to it for them)
+    eng = HFEngine(model, tok, batch_size=16, feature_layer=layer, trajectory_tokens=3, fast_cpu="off")
     T = 0.9
     params = SamplingParams(temperature=T, max_new_tokens=10, n=2)
     _stop_on_a_sampled_token(eng, params, seed=3)
@@ -95,7 +96,8 @@ def test_captured_features_equal_a_teacher_forced_forward(policy, layer):
 
 def test_capture_changes_no_sampled_token_and_costs_nothing_when_off(policy):
     model, tok = policy
-    eng = HFEngine(model, tok, batch_size=4)  # chunks: 3 prompts x 2 in calls of 2 prompts
+    # chunks: 3 prompts x 2 in calls of 2 prompts; generate() both times (the fast CPU path has no capture)
+    eng = HFEngine(model, tok, batch_size=4, fast_cpu="off")
     params = SamplingParams(temperature=1.0, max_new_tokens=8, n=2)
     torch.manual_seed(11)
     plain = eng.generate(PROMPTS, params)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..errors import DataError
 from .example import Example
@@ -22,9 +22,16 @@ class PromptSampler:
     runs past the end of an epoch continues into the next one (every batch is full).
 
     ``state_dict()`` / ``load_state_dict()`` carry (epoch, position), so a resumed run continues with exactly the
-    prompts the interrupted run would have drawn next."""
+    prompts the interrupted run would have drawn next.
 
-    def __init__(self, examples: Sequence[Example], batch_size: int, seed: int = 0):
+    ``accept`` (optional, example -> probability in (0, 1]): each example the order reaches is kept with that
+    probability and otherwise skipped until the next epoch (prompt selection by value, ``data.value_sampling``);
+    the coin of the example at (epoch, position) is seeded by (seed, epoch, position), so the draw stays
+    resumable as long as ``accept`` gives the same answers (its inputs travel in the checkpoint). ``skipped``
+    counts the examples skipped so far (kept in the state)."""
+
+    def __init__(self, examples: Sequence[Example], batch_size: int, seed: int = 0,
+                 accept: Callable[[Example], float] | None = None):
         if not examples:
             raise ValueError("PromptSampler: no examples to sample from")
         if batch_size <= 0:
@@ -36,6 +43,8 @@ class PromptSampler:
         self.position = 0
         self._order_epoch: int | None = None
         self._order: list[int] = []
+        self.accept = accept
+        self.skipped = 0
 
     def _order_for(self, epoch: int) -> list[int]:
         if self._order_epoch != epoch:
@@ -52,9 +61,17 @@ class PromptSampler:
         batch: list[Example] = []
         while len(batch) < self.batch_size:
             order = self._order_for(self.epoch)
-            take = min(self.batch_size - len(batch), n - self.position)
-            batch.extend(self.examples[i] for i in order[self.position:self.position + take])
-            self.position += take
+            if self.accept is None:
+                take = min(self.batch_size - len(batch), n - self.position)
+                batch.extend(self.examples[i] for i in order[self.position:self.position + take])
+                self.position += take
+            else:
+                ex = self.examples[order[self.position]]
+                if random.Random(f"{self.seed}/{self.epoch}/{self.position}").random() < self.accept(ex):
+                    batch.append(ex)
+                else:
+                    self.skipped += 1
+                self.position += 1
             if self.position >= n:
                 self.epoch, self.position = self.epoch + 1, 0
         return batch
@@ -75,7 +92,7 @@ class PromptSampler:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size,
                 "num_examples": len(self.examples), "fingerprint": self._fingerprint(),
-                "content": self._content_fingerprint()}
+                "content": self._content_fingerprint(), "skipped": self.skipped}
 
     def check_state(self, state: dict, dataset: str = "") -> None:
         """DataError unless `state` was taken over these examples (their count, and their ids, questions and
@@ -100,4 +117,5 @@ class PromptSampler:
             self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        self.skipped = int(state.get("skipped", 0))
         self._order_epoch = None

@@ -7,8 +7,8 @@ built-in task raises DataError.
 
 arithmetic (built in)
     Seeded plain-text questions ("What is 7 + 5?", answer "12"; no LaTeX: the small default model does worse on
-    it). Levels (``data.levels`` picks any subset; each level gets an equal share of the problems, and a level
-    whose problems run out leaves its share to the others):
+    it). Levels (``data.levels`` picks any subset; each level gets an equal share of the problems, see "Shares"
+    below):
 
     =====  ============================================================  =============
     level  problems                                                      distinct
@@ -55,10 +55,15 @@ wordproblems (built in)
     6      shares q*d equally among d friends (q in 2..12, d in 2..9)    10,560
     =====  ============================================================  =============
 
-The eval problems are drawn first (they depend only on data.seed, data.levels and data.eval_size, not on
+Shares: each chosen level gets an equal share of each split, drawn round-robin. The eval problems are drawn first (they depend only on data.seed, data.levels and data.eval_size, not on
 data.train_size) and the training problems exclude them: the splits never share a question. ``data.train_size`` /
 ``data.eval_size`` are counts (0 = none); when the chosen levels hold fewer distinct questions than asked for, both
-are scaled down in proportion and a warning says so.
+are scaled down in proportion and a warning says so, and every question is used once. Otherwise, when a level runs
+out of distinct questions before its share of the TRAINING split is full (e.g. level 1's 100 one-digit sums, 50 of
+which went to the eval split), it revisits the training questions it drew, in the same order, so it keeps its share
+of the training draw over the whole run (the log says how many distinct questions each such level has and how often
+each is seen); ``data.revisit: false`` leaves its share to the other levels instead (how runs drew before). The eval
+split never repeats a question.
 """
 from __future__ import annotations
 
@@ -326,17 +331,30 @@ class _LevelStream:
         return self._locate(i)
 
 
-def _draw(task: _Task, levels: list[int], n: int, seed: int, tag: str, used: set[str]) -> list[Example]:
-    """n distinct problems, round-robin over the levels, skipping questions in `used` (which is updated)."""
+def _draw(task: _Task, levels: list[int], n: int, seed: int, tag: str, used: set[str],
+          revisit: bool = False) -> list[Example]:
+    """n problems, round-robin over the levels, skipping questions in `used` (which is updated). A level whose
+    questions run out leaves its share to the others, or with `revisit` (and at least one question drawn) repeats
+    the questions it drew in this call, in the same order, so that it keeps its share."""
     streams = {lv: _LevelStream(task, lv, random.Random(f"{task.name}/{seed}/{tag}/{lv}")) for lv in levels}
     out: list[Example] = []
+    drawn: dict[int, list[Example]] = {lv: [] for lv in levels}
+    repeats: dict[int, int] = {}  # level -> questions drawn again so far
     active = list(levels)
     while len(out) < n and active:
         for lv in list(active):
             if len(out) >= n:
                 break
+            if lv in repeats:
+                out.append(drawn[lv][repeats[lv] % len(drawn[lv])])
+                repeats[lv] += 1
+                continue
             while True:
                 nxt = streams[lv].next()
+                if nxt is None and revisit and drawn[lv]:
+                    out.append(drawn[lv][0])
+                    repeats[lv] = 1
+                    break
                 if nxt is None:
                     active.remove(lv)
                     log.info("%s level %d: all its %d problems are in use; other levels fill its share",
@@ -349,7 +367,13 @@ def _draw(task: _Task, levels: list[int], n: int, seed: int, tag: str, used: set
                 used.add(q)
                 out.append(Example(id=f"{task.name}/{fam.name}/{i}", question=q, answer=a,
                                    meta={"level": lv, "family": fam.name, "source": task.name}))
+                drawn[lv].append(out[-1])
                 break
+    for lv, extra in repeats.items():
+        k = len(drawn[lv])
+        log.info("%s level %d: only %d distinct %s questions are left for it; each is revisited (about %.1f times "
+                 "in the %d %s problems) so that the level keeps its share (data.revisit: false gives its share to "
+                 "the other levels instead)", task.name, lv, k, tag, (k + extra) / k, n, tag)
     return out
 
 
@@ -378,4 +402,6 @@ def load_builtin(cfg, split: str, name: str) -> list[Example]:
     eval_examples = _draw(task, levels, eval_n, cfg.seed, "eval", used)
     if split == "eval":
         return eval_examples
-    return _draw(task, levels, train_n, cfg.seed, "train", used)
+    # revisiting only when the chosen levels hold enough questions in all (no scaling down above)
+    revisit = bool(getattr(cfg, "revisit", True)) and n_eval + n_train <= capacity
+    return _draw(task, levels, train_n, cfg.seed, "train", used, revisit=revisit)

@@ -20,6 +20,14 @@ global RNG, also when `params.seeds` asks for per-prompt streams.
 Trajectory features (``with_trajectory=True``, for value probes) come from the same generate() call:
 ``engines.trajectory.TrajectoryCapture`` hooks the feature layer at every decoding step and reads each step's
 scores through a logits processor that returns them unchanged. Without it neither is installed.
+
+On the CPU (`fast_cpu="auto"`, config `generation.fast_cpu`), rollouts and eval take `engines.fast_cpu.FastDecoder`
+instead of generate(): weights built from the live adapter at each call (merged over a float32 base, the adapter
+in float32 beside a bf16 one; the base is never written), a KV cache allocated once per call, finished rows
+dropped, the shared prompt prefix prefilled once. It returns the same
+Rollout fields (log-probs at the sampling temperature, prompt features, per-prompt seeds). It falls back to
+generate() for trajectory features, EAPO injection, and models or adapters it does not support
+(`fast_cpu_fallback` says why).
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ from transformers import LogitsProcessorList
 
 from ..models import decoder_layers, inference_mode
 from .base import Rollout, SamplingParams, stop_token_ids
-from .seeded import seeded_logits_processor
+from .seeded import row_seeds, seeded_logits_processor
 from .trajectory import TrajectoryCapture
 
 
@@ -67,7 +75,8 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model, tokenizer, batch_size: int = 64, max_prompt_tokens: int = 448,
-                 feature_layer: int | None = None, feature_tokens: int = 4, eapo=None, trajectory_tokens: int = 4):
+                 feature_layer: int | None = None, feature_tokens: int = 4, eapo=None, trajectory_tokens: int = 4,
+                 fast_cpu: str = "auto"):
         self.model, self.tok = model, tokenizer
         self.batch_size = batch_size
         self.max_prompt_tokens = max_prompt_tokens
@@ -79,6 +88,21 @@ class HFEngine:
         self._layers = layers
         self.stop_ids = sorted(stop_token_ids(tokenizer, model))
         self.eapo = eapo  # EapoConfig with a prior adapter loaded on the model, or None
+        if fast_cpu not in ("auto", "off"):
+            raise ValueError(f"fast_cpu={fast_cpu!r}; accepted: auto, off")
+        self.fast_cpu = fast_cpu
+        self._fast = None  # engines.fast_cpu.FastDecoder, built at the first rollout that can use it
+        self.fast_cpu_fallback: str | None = None if fast_cpu == "auto" else "generation.fast_cpu=off"
+
+    def fast_decoder(self):
+        """The FastDecoder for this model, or None (reason in `fast_cpu_fallback`)."""
+        if self._fast is None and self.fast_cpu == "auto" and self.fast_cpu_fallback is None:
+            from .fast_cpu import FastDecoder, why_not
+
+            self.fast_cpu_fallback = why_not(self.model)
+            if self.fast_cpu_fallback is None:
+                self._fast = FastDecoder(self.model)
+        return self._fast
 
     def sync(self, model=None) -> None:  # the engine shares the training model: nothing to push
         return None
@@ -96,11 +120,15 @@ class HFEngine:
         """n = params.n samples per prompt, prompt-major; generate() is called on chunks of batch_size sequences."""
         per_call = max(1, self.batch_size // max(1, params.n))
         out: list[Rollout] = []
-        for start in range(0, len(prompts), per_call):
-            chunk = params if params.seeds is None else dataclasses.replace(
-                params, seeds=params.seeds[start:start + per_call])
-            out.extend(self._generate_chunk(prompts[start:start + per_call], chunk, with_features,
-                                              with_trajectory))
+        try:
+            for start in range(0, len(prompts), per_call):
+                chunk = params if params.seeds is None else dataclasses.replace(
+                    params, seeds=params.seeds[start:start + per_call])
+                out.extend(self._generate_chunk(prompts[start:start + per_call], chunk, with_features,
+                                                  with_trajectory))
+        finally:
+            if self._fast is not None:  # its weight copies live during rollouts only
+                self._fast.release()
         return out
 
     def _generate_chunk(self, prompts: list[str], params: SamplingParams, with_features: bool,
@@ -120,6 +148,8 @@ class HFEngine:
         greedy = params.temperature <= 0
         if params.inject and self.eapo is not None and not greedy:
             return self._generate_injected(prompts, input_ids, attn, params, with_features)
+        if not with_trajectory and self.fast_decoder() is not None:  # trajectory features: generate() below
+            return self._generate_fast(prompts, input_ids, attn, params, with_features)
         # logits processors, in this order: the recorders see the model's logits (they return them unchanged),
         # then the per-prompt sampler (it returns a one-hot row) when seeds are given
         record = SampledLogprobs(params.temperature)
@@ -179,6 +209,29 @@ class HFEngine:
                 r.trajectory = t
             self.trajectory_seconds += capture.seconds + time.perf_counter() - t0
         return rollouts
+
+    def _generate_fast(self, prompts, input_ids, attn, params: SamplingParams, with_features: bool):
+        """Rollouts from the FastDecoder (engines/fast_cpu.py), rows laid out as generate() lays them out."""
+        p_ids = [input_ids[p][attn[p].bool()].tolist() for p in range(len(prompts))]
+        rows = [ids for ids in p_ids for _ in range(params.n)]
+        gens = None
+        if params.seeds is not None and params.temperature > 0:
+            gens = [torch.Generator().manual_seed(s) for s in row_seeds(params.seeds, params.n)]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            toks, lps, feats = self._fast.generate(
+                rows, params.max_new_tokens, self.stop_ids, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k, generators=gens, feature_layer=self.feature_layer if with_features else None,
+                feature_tokens=self.feature_tokens)
+        finally:
+            if was_training:
+                self.model.train()
+        stops = set(self.stop_ids)
+        return [Rollout(prompt=prompts[row // params.n], prompt_ids=rows[row], completion_ids=comp,
+                        text=self.tok.decode(comp, skip_special_tokens=True),
+                        finished=bool(comp) and comp[-1] in stops, feature=None if feats is None else feats[row],
+                        logprobs=lps[row]) for row, comp in enumerate(toks)]
 
     def _generate_injected(self, prompts, input_ids, attn, params: SamplingParams, with_features: bool):
         """EAPO rollouts: the prior adapter samples the tokens at critical decision points (eapo.py)."""

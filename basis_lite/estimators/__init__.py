@@ -14,7 +14,9 @@ Those modules are imported on the first ``compute``.
 Registered here:
 
 - ``basis`` (G >= 1, made for G = 1): BASIS, each prompt's baseline from the OTHER prompts of the batch, optionally
-  helped by an offline prior and the similarity of the prompts' hidden states; b_i never uses r_i (basis.py).
+  helped by an offline prior and the similarity of the prompts' hidden states; b_i never uses r_i (basis.py). With
+  ``mix: true`` it mixes the leave-one-out mean, that pooling, an online prompt probe as prior and a per-prompt
+  value tracker as prior, weighted by their errors on earlier batches (basis_mix.py).
 - ``reinforce_pp`` (G >= 1): whitening over the whole batch; its baseline, the batch mean, includes r_i.
 - ``grpo`` (G >= 2): (r - group mean) / group std; the group mean includes r_i.
 - ``dr_grpo`` (G >= 2): r - group mean; the group mean includes r_i.
@@ -50,6 +52,7 @@ class EstimatorContext:
     trajectory_features: [B, G, D'] per-rollout trajectory features (engines/trajectory.py), or None.
     replay: a ``probe.ReplayBuffer`` of earlier steps' rollouts (never the current batch), read-only, or None.
     options: the estimator's options, checked by ``EstimatorSpec.validate_options``.
+    state: the estimator's own state across steps (``EstimatorSpec.state``), or None.
     normalize: divide the advantages by their batch std (+eps) after the estimator ran (see ``EstimatorSpec``).
     """
 
@@ -61,6 +64,7 @@ class EstimatorContext:
     replay: Any = None
     options: dict = field(default_factory=dict)
     normalize: bool = False
+    state: Any = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,11 @@ class EstimatorSpec:
     uses_trajectory: the engine must capture trajectory features (``ctx.trajectory_features``); engines compute them
         only for such estimators.
     replay_capacity: options -> rollouts the trainer keeps in a replay buffer of earlier steps (``ctx.replay``,
-        saved in checkpoints); None means the estimator keeps no buffer. Torch-free.
+        saved in checkpoints); None (or a function returning None) means the estimator keeps no buffer. Torch-free.
+    state: options -> an object the trainer keeps across steps (or None), passed as
+        ``ctx.state``: after the baselines the trainer calls its ``observe(step, prompt_ids, rewards)``, saves its
+        ``state_dict()`` in checkpoints and restores it with ``load_state_dict``; ``metrics()``, if it has one,
+        adds fields to the step's metrics line. None: the estimator keeps no state.
     """
 
     name: str
@@ -87,8 +95,12 @@ class EstimatorSpec:
     check_options: Callable[[dict], dict] | None = None
     whitened: bool = False
     uses_trajectory: bool = False
-    replay_capacity: Callable[[dict], int] | None = None
+    replay_capacity: Callable[[dict], int | None] | None = None
+    state: Callable[[dict], Any] | None = None
 
+    def make_state(self, options: dict) -> Any:
+        """The estimator's state for a run with these options (None: it keeps none)."""
+        return self.state(options) if self.state is not None else None
     def validate_options(self, options: dict | None) -> dict:
         """The options checked (a copy); ConfigError naming the bad key and what is accepted."""
         if options is None:
@@ -116,7 +128,7 @@ class EstimatorSpec:
         """The estimator function: ``fn``, or the one ``@estimator(name)`` bound (its modules imported now)."""
         if self.fn is not None:
             return self.fn
-        from . import basis, poise, simple  # noqa: F401  (torch, only now: their @estimator lines bind the functions)
+        from . import basis_mix, poise, simple  # noqa: F401  (torch, only now: their @estimator lines bind the functions)
         from .base import bound_function
 
         fn = bound_function(self.name)
@@ -186,11 +198,20 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _basis_state(options: dict):
+    """BASIS's state across steps (the mix's weights, value tracker and probe; None without mix). Its module needs
+    torch, so it is imported only when a run starts."""
+    from .basis_mix import make_state
+
+    return make_state(options)
+
+
 register(EstimatorSpec(
     "basis", min_rollouts=1, uses_features=True, uses_prior=True, uses_history=True,
     description="BASIS: each prompt's baseline from the other prompts of the batch (kernel-weighted by prompt "
                 "similarity, shrunk toward a calibrated prior); b_i never uses r_i",
-    check_options=basis_options.validate_options))
+    check_options=basis_options.validate_options, replay_capacity=probe_options.mix_replay_capacity,
+    state=_basis_state))
 register(EstimatorSpec(
     "reinforce_pp", min_rollouts=1,
     description="REINFORCE++: whitening over the whole batch; the baseline (batch mean) includes r_i", whitened=True))

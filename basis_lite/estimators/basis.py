@@ -26,7 +26,6 @@ from torch import Tensor
 from .base import (
     as_float_tensor,
     check_finite,
-    estimator,
     leave_one_out_mean,
     leave_one_out_range,
     leave_one_out_sum,
@@ -46,7 +45,6 @@ from .basis_blocks import (
 from .basis_options import parse_options
 
 
-@estimator("basis")
 def basis(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     """The registered estimator: A = r - b, b = ``basis_baseline`` over all B*G rollouts as rows.
 
@@ -54,7 +52,8 @@ def basis(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
     repeated G times; the baseline of a rollout never depends on its own reward (the other rollouts of the same
     prompt may be used, and with features they are its nearest neighbours). ``ctx.options`` are the BASIS options.
     ``ctx.history`` is not read here: the trainer folds a prompt's earlier rewards into ``ctx.prior``
-    (``priors.prior_values``).
+    (``priors.prior_values``). The registered ``basis`` estimator (basis_mix.basis_estimator) calls this, or with
+    the option ``mix: true`` the mix of basis_mix.py, whose parts call this.
     """
     B, G = rewards.shape
     p = f = None
@@ -143,6 +142,8 @@ def basis_baseline(rewards: Tensor, prior: Tensor | None = None, features: Tenso
     combine="toward_prior"              prior and features together: "toward_prior" | "residual" (see 3.)
     clip=True                           clamp b_i to [0, 1] (widened to the other rewards' range, see 5.)
     empty_baseline=0.0                  baseline when no other prompt is available (batch of one, no prior)
+    mix=False, mix_parts, mix_rate, mix_memory, tracker_decay, tracker_prior_count, probe_min_rows
+                                        read by ``basis`` only (basis_mix.py); ignored here
     """
     o = parse_options(options)
     r_in = rewards_1d(rewards)

@@ -28,6 +28,8 @@ CHOICES = {
     "combine": ("toward_prior", "residual"),
 }
 PREFIX = "estimator.options"
+MIX_PARTS = ("loo", "pool", "probe", "tracker")
+MIX_KEYS = ("mix", "mix_parts", "mix_rate", "mix_memory", "tracker_decay", "tracker_prior_count", "probe_min_rows")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,15 @@ class BasisOptions:
     combine: str = "toward_prior"  # prior AND features: see basis_baseline, step 3
     clip: bool = True
     empty_baseline: float = 0.0
+    # mix: true mixes several leave-one-out baselines by their error on earlier batches (basis_mix.py); the keys
+    # below are read only then (basis_baseline ignores them)
+    mix: bool = False
+    mix_parts: Any = ("pool", "probe", "tracker")  # besides "loo", always a part
+    mix_rate: float = 0.5  # exponential-weights rate on squared error (<= 0.5: the exp-concave guarantee)
+    mix_memory: float = 0.8  # weight of a batch's error per batch since (1: never forget)
+    tracker_decay: float = 0.9  # weight of a prompt's earlier reward per batch since
+    tracker_prior_count: float = 2.0  # rollouts' worth of the probe's (or the running mean's) prediction
+    probe_min_rows: int = 32  # earlier rollouts the probe needs before it is used
 
 
 BASIS_DEFAULTS: dict[str, Any] = asdict(BasisOptions())
@@ -107,7 +118,7 @@ def validate_options(options: dict) -> dict:
     for key, value in options.items():
         if key in CHOICES:
             check_choice(key, value)
-        elif key in ("use_prior", "use_features", "clip"):
+        elif key in ("use_prior", "use_features", "clip", "mix"):
             if not isinstance(value, bool):
                 raise bad_option(key, value, "true or false")
         elif key == "prior_clip":
@@ -133,6 +144,34 @@ def validate_options(options: dict) -> dict:
             out[key] = grid_option(key, value, lambda v: v > 0, "positive numbers")
         elif key == "shrink_grid":
             out[key] = grid_option(key, value, lambda v: v >= 0, "numbers >= 0")
+        elif key == "mix_parts":
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value \
+                    or any(p not in MIX_PARTS for p in value):
+                raise bad_option(key, value, f"a non-empty list of parts from {', '.join(MIX_PARTS)}")
+            out[key] = list(dict.fromkeys(value))
+        elif key == "mix_rate":
+            out[key] = number_option(key, value, lambda v: v > 0, "a number > 0")
+        elif key == "mix_memory":
+            out[key] = number_option(key, value, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+        elif key == "tracker_decay":
+            out[key] = number_option(key, value, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        elif key == "probe_min_rows":
+            out[key] = int(number_option(key, value, lambda v: v >= 2 and float(v).is_integer(), "a whole number >= 2"))
+        elif key == "tracker_prior_count":
+            out[key] = number_option(key, value, lambda v: v > 0, "a number > 0")
+    if out.get("mix") and out.get("combine", "toward_prior") == "toward_prior" \
+            and "cv" in (out.get("bandwidth"), out.get("shrink")):
+        raise ConfigError(f"{PREFIX}: bandwidth/shrink 'cv' cannot be combined with mix: true (its probe and tracker "
+                          "parts are priors) under the default combine: toward_prior; add combine: residual, or use "
+                          "fixed numbers")
+    return out
+
+
+def mix_options(options: dict | None) -> dict:
+    """The mix settings of a BASIS options mapping, checked, with the defaults filled in."""
+    o = validate_options(dict(options or {}))
+    out = {k: o.get(k, BASIS_DEFAULTS[k]) for k in MIX_KEYS}
+    out["mix_parts"] = list(out["mix_parts"])
     return out
 
 

@@ -39,7 +39,7 @@ from .probe import blocks_of, fit_probe
 from .probe_options import poise_options, split_basis_probe
 
 
-def _clip_range(buf) -> tuple[float, float]:
+def clip_range(buf) -> tuple[float, float]:
     """[0, 1], widened to the buffer's rewards (rewards outside [0, 1], e.g. a format bonus)."""
     if buf is None or buf.rows == 0:
         return 0.0, 1.0
@@ -95,7 +95,7 @@ def poise_with_probe(rewards: Tensor, ctx, probe, o) -> tuple[Tensor, Tensor]:
                          "estimator.use_features)")
     pred = probe.predict(blocks).reshape(B, G)
     if o.clip:
-        lo, hi = _clip_range(buf)
+        lo, hi = clip_range(buf)
         pred = pred.clamp(lo, hi)
     base = leave_one_out_mean(pred, dim=1)  # rollout g: the other rollouts' predictions
     if o.recenter and B > 1:
@@ -143,5 +143,5 @@ def basis_probe_with_probe(rewards: Tensor, ctx, probe) -> tuple[Tensor, Tensor]
     prior = None
     if probe is not None and ctx.features is not None:
         prior = probe_prior(probe, ctx.features, list(ctx.prompt_ids), ctx.history, po,
-                            _clip_range(getattr(ctx, "replay", None)))
+                            clip_range(getattr(ctx, "replay", None)))
     return basis(rewards, dataclasses.replace(ctx, prior=prior, options=basis_opts))

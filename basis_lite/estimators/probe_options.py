@@ -146,3 +146,10 @@ def replay_capacity_poise(options: dict) -> int:
 
 def replay_capacity_probe(options: dict) -> int:
     return int(validate_basis_probe(dict(options or {})).get("buffer_size", PROBE_DEFAULTS["buffer_size"]))
+
+
+def mix_replay_capacity(options: dict) -> int | None:
+    """Rollouts of earlier steps the trainer keeps for the mix's probe (the probe and tracker parts use it); None
+    without mix (no buffer)."""
+    o = basis_options.mix_options(options)
+    return int(PROBE_DEFAULTS["buffer_size"]) if o["mix"] and {"probe", "tracker"} & set(o["mix_parts"]) else None

@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Rollout speed on the CPU: the HF engine's fast path (engines/fast_cpu.py) beside plain generate(), in one run.
+
+    python bench/generation.py                          # default preset, float32 and bfloat16, 2 repeats
+    python bench/generation.py --dtypes float32 --repeats 1 --no-write
+    python bench/generation.py --step                   # also one whole training step (rollout + update) each way
+
+The batch is the default job's first rollout: the preset's first prompt batch (train.batch_size prompts, chat
+template and system prompt), estimator.rollouts_per_prompt samples each, generation.max_new_tokens and
+temperature, the adapter as it is at step 1 (fresh), prompt features on (BASIS pools with them). Each dtype loads
+the model once and builds two HFEngines on it: `fast_cpu="auto"` (the fast path) and `fast_cpu="off"` (generate(),
+as before). After one warm-up call each, every repeat runs both engines back to back (the order alternates), the
+global RNG reseeded before each call; the best time of each is kept. tok/s = sampled tokens / wall time of
+engine.generate (prefill, decode, sampling, tokenizing and decoding text); both engines sample the same
+distribution but not the same tokens, so their token counts differ a little. The build time is one build of the
+fast path's weight copies (merged or fused, packed for oneDNN), which every generate() call pays (they are freed
+after it, so they never sit beside the update's activations); it is inside the fast path's time. `--step` also times
+trainer.rollout + score + baselines + update once per engine, on one fresh model per engine.
+
+Writes bench/results/generation.json and generation.md (--out to change), with the machine's flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from provenance import flags_line, provenance  # noqa: E402
+
+
+def _batch(cfg, tok):
+    from basis_lite.data import PromptSampler, format_prompt, load_examples
+
+    batch = next(PromptSampler(load_examples(cfg.data, "train"), cfg.train.batch_size, seed=cfg.train.seed))
+    return batch, [format_prompt(tok, ex.question, cfg.data) for ex in batch]
+
+
+def measure_dtype(preset: str, dtype_name: str, repeats: int, overrides: list[str]) -> dict:
+    import torch
+
+    from basis_lite.config import load_config
+    from basis_lite.engines.base import params_from_config
+    from basis_lite.engines.hf import HFEngine
+    from basis_lite.models import load_policy, resolve_device, resolve_dtype
+    from basis_lite.runtime import seed_everything
+
+    cfg = load_config(preset, [*overrides, f"model.dtype={dtype_name}"])
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.device)
+    model, tok = load_policy(cfg, device, resolve_dtype(cfg.model.dtype, device))
+    max_prompt = max(16, cfg.model.max_seq_length - cfg.generation.max_new_tokens)
+    engines = {name: HFEngine(model, tok, batch_size=cfg.generation.batch_size, max_prompt_tokens=max_prompt,
+                              fast_cpu=mode) for name, mode in (("fast", "auto"), ("generate", "off"))}
+    batch, prompts = _batch(cfg, tok)
+    params = params_from_config(cfg.generation, n=cfg.estimator.rollouts_per_prompt)
+    for eng in engines.values():  # warm-up: first-call costs (and the first merge) stay out of the timings
+        eng.generate(prompts[:2], params_from_config(cfg.generation, max_new_tokens=2))
+    if engines["fast"]._fast is None:
+        raise SystemExit(f"fast path unavailable: {engines['fast'].fast_cpu_fallback}")
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    for rep in range(repeats):
+        order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+        for name in order:
+            seed_everything(cfg.train.seed)
+            t0 = time.perf_counter()
+            rolls = engines[name].generate(prompts, params, with_features=True)
+            secs = time.perf_counter() - t0
+            toks = sum(len(r.completion_ids) for r in rolls)
+            runs[name].append({"seconds": secs, "tokens": toks, "tok_s": toks / secs,
+                               "finished": sum(r.finished for r in rolls), "rows": len(rolls)})
+    fast = engines["fast"]._fast
+    t0 = time.perf_counter()
+    fast.refresh(force=True)
+    merge_s = time.perf_counter() - t0
+    fast.release()
+    head_dim, n_kv = fast.head_dim, fast.n_kv
+    longest = max(len(tok(p, add_special_tokens=False).input_ids) for p in prompts)
+    kv_bytes = (2 * len(fast.layers) * len(prompts) * cfg.estimator.rollouts_per_prompt * n_kv * head_dim
+                * (longest + params.max_new_tokens) * 4)
+    best = {name: min(r, key=lambda x: x["seconds"]) for name, r in runs.items()}
+    return {"dtype": dtype_name, "prompts": len(prompts), "rollouts_per_prompt": cfg.estimator.rollouts_per_prompt,
+            "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "runs": runs, "best": best,
+            "speedup": best["fast"]["tok_s"] / best["generate"]["tok_s"], "merge_s": merge_s,
+            "merged_extra_mb": fast.extra_bytes / 2**20, "kv_cache_mb_upper": kv_bytes / 2**20,
+            "threads": torch.get_num_threads()}
+
+
+def measure_step(preset: str, dtype_name: str, overrides: list[str]) -> dict:
+    """One default training step (rollout, rewards, advantages, update) per engine mode, a fresh model each."""
+    import tempfile
+
+    from cpu_step import make_run_state
+
+    from basis_lite import trainer
+    from basis_lite.config import load_config
+    from basis_lite.engines.hf import HFEngine
+    from basis_lite.estimators import get_estimator
+    from basis_lite.models import load_policy, resolve_device, resolve_dtype
+    from basis_lite.rewards import RewardScorer
+    from basis_lite.runtime import seed_everything
+    from basis_lite.update import make_optimizer, make_scheduler
+
+    out = {}
+    for name, mode in (("fast", "auto"), ("generate", "off")):
+        cfg = load_config(preset, [*overrides, f"model.dtype={dtype_name}"])
+        device = resolve_device(cfg.device)
+        seed_everything(cfg.train.seed)
+        model, tok = load_policy(cfg, device, resolve_dtype(cfg.model.dtype, device))
+        max_prompt = max(16, cfg.model.max_seq_length - cfg.generation.max_new_tokens)
+        eng = HFEngine(model, tok, batch_size=cfg.generation.batch_size, max_prompt_tokens=max_prompt,
+                       fast_cpu=mode)
+        batch, prompts = _batch(cfg, tok)
+        opt = make_optimizer(cfg, model, device)
+        fields = dict(ranks=trainer.distributed.Ranks(), cfg=cfg, run_dir=Path(tempfile.gettempdir()), device=device, model=model, tok=tok, engine=eng,
+                      scorer=RewardScorer(cfg.reward), optimizer=opt, scheduler=make_scheduler(cfg, opt),
+                      estimator=get_estimator(cfg.estimator.name), prompt_of=dict(zip([e.id for e in batch], prompts)),
+                      eval_examples=[])
+        run = make_run_state(trainer, progress=False, scaler=None, **fields)
+        eng.generate(prompts[:2], trainer.params_from_config(cfg.generation, max_new_tokens=2))
+        seed_everything(cfg.train.seed)
+        t0 = time.perf_counter()
+        rolls = trainer.rollout(run, batch)
+        t_gen = time.perf_counter() - t0
+        rewards, _ = trainer.score(run, batch, rolls)
+        adv, _ = trainer.baselines(run, batch, rolls, rewards)
+        t1 = time.perf_counter()
+        trainer.update(run, rolls, adv, 1)
+        t_train = time.perf_counter() - t1
+        out[name] = {"gen_s": t_gen, "train_s": t_train, "step_s": time.perf_counter() - t0,
+                     "tokens": sum(len(r.completion_ids) for r in rolls)}
+        del run, model, eng, opt
+    return out
+
+
+def write(out_dir: Path, result: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "generation.json").write_text(json.dumps(result, indent=1))
+    info = result["provenance"]
+    lines = ["# Rollout speed on the CPU: fast path vs generate() (bench/generation.py)", "",
+             f"- CPU: {flags_line(info)}",
+             f"- torch {info.get('torch')}, {result['dtypes'][0]['threads'] if result['dtypes'] else '?'} threads; "
+             f"git {info['git_commit'][:12]}{' plus uncommitted changes' if info['git_dirty'] else ''}",
+             f"- command: `{result['command']}`; load average before / after: {result['load_before']} / "
+             f"{result['load_after']}",
+             "- Method: the docstring of bench/generation.py. Best of the repeats; the cores may have been shared.", "",
+             "| dtype | engine | batch | s | sampled tokens | finished | tok/s | speed vs generate() |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d in result["dtypes"]:
+        for name in ("generate", "fast"):
+            b = d["best"][name]
+            sp = "-" if name == "generate" else f"{d['speedup']:.2f}x"
+            lines.append(f"| {d['dtype']} | {'fast path' if name == 'fast' else 'generate()'} | {d['prompts']} x "
+                         f"{d['rollouts_per_prompt']}, {d['max_new_tokens']} new, T={d['temperature']} | "
+                         f"{b['seconds']:.2f} | {b['tokens']} | {b['finished']}/{b['rows']} | {b['tok_s']:.1f} | {sp} |")
+    lines += ["", "| dtype | weight copies: build s (per call) | weight copies MB (during rollouts only) | KV cache MB (upper "
+              "bound) |",
+              "|---|---|---|---|"]
+    for d in result["dtypes"]:
+        lines.append(f"| {d['dtype']} | {d['merge_s']:.3f} | {d['merged_extra_mb']:.0f} | "
+                     f"{d['kv_cache_mb_upper']:.0f} |")
+    if result.get("steps"):
+        lines += ["", "## One training step (rollout + rewards + advantages + update)", "",
+                  "| dtype | engine | rollout s | update s | step s | sampled tokens |", "|---|---|---|---|---|---|"]
+        for dt, s in result["steps"].items():
+            for name in ("generate", "fast"):
+                r = s[name]
+                lines.append(f"| {dt} | {'fast path' if name == 'fast' else 'generate()'} | {r['gen_s']:.2f} | "
+                             f"{r['train_s']:.2f} | {r['step_s']:.2f} | {r['tokens']} |")
+    (out_dir / "generation.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    import os
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="cpu-smollm2-arith")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--set", action="append", default=[], dest="overrides")
+    ap.add_argument("--step", action="store_true", help="also time one whole training step each way")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args(argv)
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    dtypes = [measure_dtype(a.preset, d, a.repeats, a.overrides) for d in a.dtypes.split(",") if d]
+    steps = {d: measure_step(a.preset, d, a.overrides) for d in a.dtypes.split(",") if d} if a.step else {}
+    result = {"provenance": provenance(), "command": "python bench/generation.py " + " ".join(argv or sys.argv[1:]),
+              "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()], "dtypes": dtypes,
+              "steps": steps}
+    if a.no_write:
+        print(json.dumps({k: v for k, v in result.items() if k != "provenance"}, indent=1)[:4000])
+    else:
+        write(Path(a.out), result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
