@@ -28,10 +28,9 @@ from basis_lite import checkpoint as ckpt
 
 SMOKE_STEP_KEYS = {
     "accuracy", "advantage_std", "baseline_mean", "clip_fraction", "completion_len", "engine_log_ratio_max",
-    "explained_variance_loo_ref",
-    "engine_log_ratio_mean", "entropy", "explained_variance", "format_rate", "generation_s", "grad_norm", "kl", "loss",
-    "lr", "peak_memory_mb", "reward_mean", "reward_warnings", "skipped", "step", "tokens_per_s", "trained_sequences",
-    "training_s", "update_norm", "zero_update"}
+    "engine_log_ratio_mean", "entropy", "explained_variance", "explained_variance_loo_ref", "format_rate",
+    "generation_s", "grad_norm", "kl", "loss", "lr", "peak_memory_mb", "reward_mean", "reward_warnings", "skipped",
+    "step", "tokens_per_s", "trained_sequences", "training_s", "update_norm", "zero_update"}
 
 
 def _train(tmp_path, name, overrides) -> Path:
