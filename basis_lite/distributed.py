@@ -4,16 +4,17 @@
 
     ranks = start(cfg)                      # Ranks(): one process alone; ProcessGroupRanks under torchrun
     mine = ranks.shard(batch)               # this rank's contiguous slice of the global batch
-    data = gather_step(ranks, rewards, rollouts, scored, ...)   # rewards, features, ... of the GLOBAL batch
+    step = Step.of_rank(...).gathered(ranks)   # rewards, features, ... of the GLOBAL batch (basis_lite.step)
     adv_mine = ranks.shard(adv)             # every rank computed the same global baselines; it trains on its rows
 
 What travels, and when:
 
-- per step, one all-gather of a float64 vector per rank: its rewards, prompt features, correctness and format flags,
-  completion lengths, generation time, peak memory and reward-warning count. Every rank then holds the global batch's
-  per-prompt quantities in global order and computes the same baselines (prompt ids, the prior, the history and
-  an estimator's own state, such as the basis mix's value tracker, are functions of the global batch, which every
-  rank draws from the same seeded sampler; data.value_sampling's tracker likewise);
+- per step, one all-gather of a float64 vector per rank (basis_lite.step): its rewards, prompt features, correctness
+  and format flags, completion lengths, generation time and reward-warning count; and one max of the peak memory.
+  Every rank then holds the global batch's per-prompt quantities in global order and computes the same baselines
+  (prompt ids, the prior, the history and an estimator's own state, such as the basis mix's value tracker, are
+  functions of the global batch, which every rank draws from the same seeded sampler; data.value_sampling's tracker
+  likewise);
 - per optimizer step, one all-reduce (SUM) of a flat fp32 buffer of the LoRA gradients and one of the loss
   statistics. Each rank's loss is divided by the completion-token count of the GLOBAL batch, so the sum is the
   gradient of the single-process loss over the whole batch; every rank then clips and steps on identical gradients,
@@ -28,7 +29,6 @@ ends them, with a message that names the dead rank (found by process id on this 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import logging
 import os
@@ -135,89 +135,6 @@ class Ranks:
 
     def close(self) -> None:
         return None
-
-
-@dataclasses.dataclass
-class StepData:
-    """The per-prompt and per-rollout quantities of the GLOBAL batch, in global order (one process: its own)."""
-
-    rewards: torch.Tensor  # [B, G] float32
-    features: torch.Tensor | None  # [B, D] float32
-    trajectory: torch.Tensor | None  # [B, G, D'] float32 per-rollout trajectory features (engines/trajectory.py)
-    correct: list  # B * G
-    format: list  # B * G
-    completion_lens: list  # B * G token counts
-    reward_warnings: int  # summed over ranks
-    generation_s: float  # the slowest rank's
-    peak_memory_mb: float  # the largest rank's
-    wait_s: float = 0.0  # waiting for the slowest rank before the gather
-    gather_s: float = 0.0  # the all-gather itself
-    gather_bytes: int = 0  # what the all-gather delivers to each rank
-
-
-def local_features(rollouts, batch_len: int, G: int, uses_features: bool) -> torch.Tensor | None:
-    """[B, D] prompt features of one rank's rollouts (the first of each prompt's G), or None."""
-    if not uses_features or not rollouts or rollouts[0].feature is None:
-        return None
-    return torch.stack([rollouts[i * G].feature for i in range(batch_len)])
-
-
-def local_trajectory(rollouts, batch_len: int, G: int, uses_trajectory: bool) -> torch.Tensor | None:
-    """[B, G, D'] trajectory features of one rank's rollouts, or None."""
-    if not uses_trajectory or not rollouts or rollouts[0].trajectory is None:
-        return None
-    return torch.stack([r.trajectory.float().cpu() for r in rollouts]).view(batch_len, G, -1)
-
-
-def gather_step(ranks: Ranks, rewards: torch.Tensor, rollouts, scored, G: int, uses_features: bool,
-                generation_s: float, peak_memory_mb: float, reward_warnings: int,
-                uses_trajectory: bool = False) -> StepData:
-    """One rank's step quantities -> the global batch's (one all-gather; one process: no communication)."""
-    b = rewards.shape[0]
-    feats = local_features(rollouts, b, G, uses_features)
-    traj = local_trajectory(rollouts, b, G, uses_trajectory)
-    lens = [len(r.completion_ids) for r in rollouts]
-    if not ranks.active:
-        return StepData(rewards, feats, traj, list(scored.correct), list(scored.format), lens, reward_warnings,
-                        generation_s, peak_memory_mb)
-    d = 0 if feats is None else feats.shape[1]
-    dt = 0 if traj is None else traj.shape[2]
-    head = torch.tensor([float(d), generation_s, peak_memory_mb, float(reward_warnings), float(dt)],
-                        dtype=torch.float64)
-    parts = [head, rewards.reshape(-1).double().cpu(), torch.tensor(scored.correct, dtype=torch.float64),
-             torch.tensor(scored.format, dtype=torch.float64), torch.tensor(lens, dtype=torch.float64)]
-    if feats is not None:
-        parts.append(feats.reshape(-1).double().cpu())
-    if traj is not None:
-        parts.append(traj.reshape(-1).double())
-    packed = torch.cat(parts)
-    t0 = time.time()
-    ranks.sum([0.0])  # waits for the slowest rank, so gather_s below is the transfer alone
-    t1 = time.time()
-    rows = ranks.gather_rows(packed[None, :])  # [world, L]
-    t2 = time.time()
-    heads = rows[:, :5]
-    for col, what in ((0, "prompt feature"), (4, "trajectory feature")):
-        if bool((heads[:, col] != heads[0, col]).any()):
-            raise TrainingAborted(f"ranks disagree on the {what} size ({heads[:, col].tolist()}); every rank must "
-                                  "run the same engine and model")
-    n = b * G
-    cols = [5, 5 + n, 5 + 2 * n, 5 + 3 * n, 5 + 4 * n]
-    rewards_g = rows[:, cols[0]:cols[1]].reshape(-1, G).float()
-    features_g = trajectory_g = None
-    if d:
-        features_g = rows[:, cols[4]:cols[4] + b * d].reshape(-1, d).float()
-    if dt:
-        start = cols[4] + b * d
-        trajectory_g = rows[:, start:start + n * dt].reshape(-1, G, dt).float()
-    return StepData(
-        rewards=rewards_g, features=features_g, trajectory=trajectory_g,
-        correct=[float(x) for x in rows[:, cols[1]:cols[2]].reshape(-1).tolist()],
-        format=[float(x) for x in rows[:, cols[2]:cols[3]].reshape(-1).tolist()],
-        completion_lens=[int(x) for x in rows[:, cols[3]:cols[4]].reshape(-1).tolist()],
-        reward_warnings=int(heads[:, 3].sum()), generation_s=float(heads[:, 1].max()),
-        peak_memory_mb=float(heads[:, 2].max()), wait_s=t1 - t0, gather_s=t2 - t1,
-        gather_bytes=rows.numel() * rows.element_size())
 
 
 def evaluate_sharded(ranks: Ranks, examples: list, evaluate_fn) -> dict:
@@ -462,7 +379,7 @@ def start(cfg) -> Ranks:
     """The ranks of this run: `Ranks()` without a launcher, else the process group (initialised here)."""
     if not launched():
         return Ranks()
-    from .models import resolve_device
+    from .dtypes import resolve_device
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from .config import Config
+from .dtypes import resolve_device, resolve_dtype
 from .errors import ConfigError
-from .models import resolve_device, resolve_dtype
 
 log = logging.getLogger("basis_lite")
 DECIDED_FILE = "decided.json"
@@ -81,7 +81,7 @@ def read_decided(data) -> dict | None:
 
 
 def cpu_native_bf16() -> bool:
-    from .models import cpu_bf16_flags
+    from .dtypes import cpu_bf16_flags
 
     return bool(cpu_bf16_flags())
 

@@ -1,14 +1,14 @@
 """The RL loop: prompts -> one rollout each -> rewards -> baselines -> policy update, top to bottom.
 
-    run = setup(cfg, run_dir, resume)                   model, engine, optimizer, sampler, prior, ... (a RunState)
-    for step in ...:
-        batch    = next(run.sampler)                      B prompts (seeded, resumable)
-        rollouts = rollout(run, batch)                    G completions per prompt (G = 1 for basis / reinforce_pp)
-        rewards  = score(run, batch, rollouts)            math-verify + format + user functions
-        adv, b   = baselines(run, batch, rollouts, rewards)   the estimator registered under estimator.name
-        stats    = update(run, rollouts, adv, step)       token-level loss, clip, optimizer.step()
-        log, maybe eval, maybe checkpoint
-    finish(run)                                           final eval, adapter, summary.json
+    run = setup(cfg, run_dir, resume)                 model, engine, optimizer, sampler, prior, ... (a RunState)
+    for n in ...:
+        step = rollout_step(run, n)                     B prompts -> G completions each -> rewards, gathered over
+                                                        the ranks into one record (basis_lite.step.Step)
+        step.adv, step.base = baselines(run, step)      the estimator registered under estimator.name
+        stats, ok = update(run, step)                   the policy loss, optimizer.step()
+        log_step(run, bar, step, stats, ok)             metrics.jsonl and the step's line
+        maybe_eval(run, n); maybe_checkpoint(run, n)
+    finish(run)                                         final eval, adapter, summary.json
 
 The estimator is looked up by name in `basis_lite.estimators`; this file never branches on which one it is, only
 on what it says it uses (prompt features, trajectory features, an offline prior, the per-prompt history, a replay
@@ -34,29 +34,22 @@ from .config import Config, save_config, to_dict, validate
 from .data import PromptSampler, format_prompt, load_examples
 from .engines.base import params_from_config
 from .engines.seeded import stream_seed
-from .errors import ConfigError, Interrupted, TrainingAborted
+from .errors import Interrupted, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
-from .estimators.base import explained_variance
-from .estimators.basis_mix import ValueTracker, selection_probability
+from .estimators.basis_mix import ValueTracker
 from .estimators.probe import ReplayBuffer
 from .evaluate import evaluate
 from .faults import maybe_kill
 from .metrics import MetricsLog
-from .models import cache_root, count_parameters, peak_memory_mb, reset_peak_memory
+from .models import cache_root, count_parameters, reset_peak_memory
 from .priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
+from .resume import fresh_learning_state, resume_from, stored_decisions
 from .rewards import RewardScorer, column_names, example_columns
-from .runtime import DECIDED_FILE, Decided, build_policy, decide_run, read_decided, seed_everything
-from .safeio import (
-    RunLock,
-    atomic_write_text,
-    check_run_folder,
-    disk_full_error,
-    held_by_other,
-    is_disk_full,
-    publish_dir,
-    read_json,
-)
-from .update import OPTIONAL_STEP_METRICS, make_optimizer, make_scheduler, policy_update
+from .run_folder import claim_on_main, interrupt_message
+from .runtime import DECIDED_FILE, Decided, build_policy, decide_run, seed_everything
+from .safeio import atomic_write_text, disk_full_error, is_disk_full, publish_dir
+from .step import Step
+from .update import make_optimizer, make_scheduler, policy_update
 
 log = logging.getLogger("basis_lite")
 
@@ -105,6 +98,10 @@ class RunState:
     def uses_trajectory(self) -> bool:
         return self.estimator.uses_trajectory
 
+    @property
+    def with_prior(self) -> bool:
+        return self.estimator.with_prior(self.cfg.estimator)
+
 
 def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, progress: bool = True) -> dict:
     """Train to `train.steps` (from the newest intact checkpoint with `resume`); returns the run's summary.
@@ -122,7 +119,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
     ranks = distributed.start(cfg)
     run, lock, created = None, None, False
     try:
-        run_dir, created, lock, done = _claim_on_main(cfg, run_dir, resume, ranks)
+        run_dir, created, lock, done = claim_on_main(cfg, run_dir, resume, ranks)
         if done is not None:
             log.info("%s finished all %d steps already; nothing to resume (summary.json, adapter/)", run_dir,
                      cfg.train.steps)
@@ -130,45 +127,17 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
         run = setup(cfg, run_dir, resume, progress and ranks.is_main, ranks)
         created = False  # from here on the folder holds a run worth keeping
         bar = tqdm(total=cfg.train.steps, initial=run.step, desc="train", disable=not run.progress, unit="step")
-        for step in range(run.step + 1, cfg.train.steps + 1):
-            t_step = time.time()
-            reset_peak_memory(run.device)  # peak_memory_mb of this step's record is this step's own peak
-            batch = next(run.sampler)  # the global batch: the same on every rank
-            mine = ranks.shard(batch)
-            if run.per_prompt_rng:
-                ranks.seed_step(cfg.train.seed, step)
-            t0 = time.time()
-            rollouts = rollout(run, mine, step, first=ranks.bounds(len(batch))[0])
-            gen_s = time.time() - t0
-            maybe_kill("generation", step)
-            rewards, scored = score(run, mine, rollouts)
-            data = distributed.gather_step(ranks, rewards, rollouts, scored, cfg.estimator.rollouts_per_prompt,
-                                           run.uses_features, gen_s, peak_memory_mb(run.device),
-                                           run.scorer.warning_count, uses_trajectory=run.uses_trajectory)
-            adv, base = baselines(run, batch, rollouts, data.rewards, step, features=data.features,
-                                  trajectory=data.trajectory)
-            t1 = time.time()
-            stats, ok = update(run, rollouts, ranks.shard(adv), step)
-            train_s = time.time() - t1
-            rec = step_record(run, step, data, adv, base, stats, ok, data.generation_s, train_s)
-            if ranks.active:
-                rec.update({"ranks": ranks.world, "gather_wait_s": data.wait_s, "gather_s": data.gather_s,
-                            "gather_bytes": data.gather_bytes, "allreduce_s": ranks.last_allreduce_s,
-                            "allreduce_bytes": ranks.last_allreduce_bytes, "step_s": time.time() - t_step})
-            run.metrics.step(rec)
-            report_step(run, bar, rec)
-            run.step = step
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-                run.metrics.eval(step, run_eval(run, f"eval (step {step})"))
-            if step % cfg.train.save_every == 0 or step == cfg.train.steps:
-                ranks.check_in_sync([p for p in run.model.parameters() if p.requires_grad], run.optimizer)
-                if ranks.is_main:
-                    ckpt.save_checkpoint(run.run_dir, step, run.model, checkpoint_state(run), _config_text(run),
-                                         cfg.train.keep_last)
+        for n in range(run.step + 1, cfg.train.steps + 1):
+            step = rollout_step(run, n)
+            step.adv, step.base = baselines(run, step)
+            stats, ok = update(run, step)
+            log_step(run, bar, step, stats, ok)
+            maybe_eval(run, n)
+            maybe_checkpoint(run, n)
         bar.close()
         return finish(run, t_start)
     except KeyboardInterrupt as e:
-        raise Interrupted(getattr(e, "signal_name", "SIGINT"), _interrupt_message(run_dir, run, e)) from None
+        raise Interrupted(getattr(e, "signal_name", "SIGINT"), interrupt_message(run_dir, run, e)) from None
     finally:
         if run is not None:
             run.metrics.close()
@@ -178,120 +147,6 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
         if lock is not None:
             lock.release()
         ranks.close()
-
-
-def _claim_on_main(cfg: Config, run_dir, resume: bool, ranks: distributed.Ranks):
-    """(run folder, created by this call, RunLock or None, finished summary or None), the same folder on every
-    rank: rank 0 claims and locks it (`claim_run_dir`, `RunLock`) and sends its name; a user error on rank 0 is
-    raised on every rank."""
-    msg: dict = {}
-    folder, created, lock = None, False, None
-    if ranks.is_main:
-        try:
-            folder, created = claim_run_dir(cfg, run_dir, resume)
-            check_run_folder(folder)  # no link out of it: nothing below is read or written elsewhere
-            lock = _lock(folder)
-            done = finished_summary(folder, cfg) if resume else None
-            msg = {"dir": str(folder), "done": done is not None}
-        except ConfigError as e:
-            msg = {"error": str(e)}
-            if not ranks.active:
-                raise
-            ranks.broadcast_text(json.dumps(msg))
-            raise
-    msg = json.loads(ranks.broadcast_text(json.dumps(msg)))
-    if "error" in msg:
-        raise ConfigError(f"rank 0: {msg['error']}")
-    if ranks.is_main:
-        return folder, created, lock, done
-    return Path(msg["dir"]), False, None, ({"run_dir": msg["dir"]} if msg["done"] else None)
-
-
-def _lock(folder: Path) -> RunLock:
-    try:
-        return RunLock(folder).acquire()
-    except OSError as e:
-        raise ConfigError(f"run folder {folder}: cannot write there ({type(e).__name__}: {e.strerror or e}); choose "
-                          f"a folder you can write with --output") from None
-
-
-def _interrupt_message(run_dir: Path, run, e) -> str:
-    sig = getattr(e, "signal_name", "SIGINT")
-    if run_dir is None:
-        return f"stopped by {sig} before the run folder was chosen; nothing was written"
-    where = f"during step {run.step + 1} of {run.cfg.train.steps}" if run is not None else "while setting up"
-    last = ckpt.latest_checkpoint(run_dir, quiet=True)
-    kept = (f"the checkpoint {last.name} is kept and the steps after it are redone" if last is not None else
-            "there is no checkpoint yet, so resuming starts it again from step 0 with its saved config")
-    return (f"stopped by {sig} {where}; {run_dir}: {kept}. Continue with `basis-lite train --resume {run_dir}`")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the run folder
-
-
-def default_run_dir(cfg: Config) -> Path:
-    name = Path(cfg.preset).stem if cfg.preset else "run"
-    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def claim_run_dir(cfg: Config, run_dir, resume: bool) -> tuple[Path, bool]:
-    """(the run folder, whether this call created it). Without a folder given, `runs/<preset>-<time>` is claimed
-    with an exclusive mkdir (`-2`, `-3`, ... when that name is taken), so two runs started in the same second get
-    two folders. A given folder must not hold another run unless `resume`."""
-    given = run_dir or cfg.output_dir
-    if resume:
-        run_dir = Path(given)
-        if not (run_dir / "config.yaml").is_file():
-            raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a basis-lite run folder?")
-        return run_dir, False
-    if given:
-        run_dir = Path(given)
-        if run_dir.exists() and not run_dir.is_dir():
-            raise ConfigError(f"--output {run_dir}: a file of that name exists; the output is a run folder: choose "
-                              f"a new folder name (or an empty folder)")
-        if (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists():
-            holder = held_by_other(run_dir)
-            if holder:
-                raise ConfigError(f"run folder {run_dir} is in use by another basis-lite process ({holder}); "
-                                  f"choose another --output")
-            raise ConfigError(f"output folder {run_dir} already holds a run; pass --resume {run_dir} to continue "
-                              f"it or choose another --output")
-        created = not run_dir.exists()
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"--output {run_dir}: cannot create the run folder ({type(e).__name__}: "
-                              f"{e.strerror or e}); choose a folder you can write") from None
-        return run_dir, created
-    base = default_run_dir(cfg)
-    for i in range(1, 1000):
-        cand = base if i == 1 else base.with_name(f"{base.name}-{i}")
-        try:
-            base.parent.mkdir(parents=True, exist_ok=True)
-            cand.mkdir()
-        except FileExistsError:
-            continue
-        except OSError as e:
-            raise ConfigError(f"cannot create the run folder {cand} ({type(e).__name__}: {e.strerror or e}); "
-                              f"pass --output with a folder you can write") from None
-        return cand, True
-    raise ConfigError(f"could not find a free run folder name next to {base}; pass --output")
-
-
-def finished_summary(run_dir: Path, cfg: Config) -> dict | None:
-    """The summary of a run that already finished every step (summary.json and the final adapter are written last),
-    else None."""
-    path = run_dir / "summary.json"
-    if not (path.is_file() and (run_dir / "adapter" / "adapter_config.json").is_file()):
-        return None
-    try:
-        summary = read_json(path, "summary.json")
-    except ValueError:
-        return None
-    if not isinstance(summary, dict):
-        return None
-    return summary if summary.get("steps") == cfg.train.steps and summary.get("eval_after") else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -346,8 +201,8 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
             prompt_of={ex.id: format_prompt(tok, ex.prompt, cfg.data) for ex in train_ex},
             eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress, ranks=ranks,
             per_prompt_rng=decided.rng == "per_prompt", decided=decided)
-        _fresh_learning_state(run)
-        if run.estimator.uses_prior and cfg.estimator.prior_samples > 0:
+        fresh_learning_state(run)
+        if run.with_prior and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
         last = resume_from(run, train_ex) if resume else None
         if last is None:
@@ -385,134 +240,6 @@ def load_prior(run: RunState, train_ex) -> None:
     run.summary["prior_cached"] = run.prior_table["cached"]
 
 
-def stored_decisions(run_dir: Path) -> dict | None:
-    """What the run decided when it started (`runtime.Decided`): RUN_DIR/decided.json, else the newest intact
-    checkpoint's copy; None for a run that stored none (it decides again)."""
-    try:
-        found = read_decided(read_json(run_dir / DECIDED_FILE, DECIDED_FILE))
-    except ValueError:
-        found = None
-    if found is None:
-        last = ckpt.latest_checkpoint(run_dir, quiet=True)
-        if last is not None:
-            try:
-                found = read_decided(read_json(last / ckpt.STATE_JSON).get("decided"))
-            except (ValueError, AttributeError):
-                found = None
-    return found
-
-
-def resume_from(run: RunState, train_ex) -> Path | None:
-    """Restore the newest checkpoint whose content is usable (`check_checkpoint`); each newer intact one that is
-    not is logged with the reason and skipped, as a damaged one is. None when none is usable (the run starts again
-    from step 0: the adapter as initialised, a fresh optimizer)."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
-    name = run.model.active_adapter
-    expected = get_peft_model_state_dict(run.model, adapter_name=name)
-    initial = {k: v.detach().clone() for k, v in expected.items()}
-    for last in ckpt.intact_checkpoints(run.run_dir):
-        try:
-            tensors, state = check_checkpoint(run, last, expected, train_ex)
-            set_peft_model_state_dict(run.model, tensors, adapter_name=name)
-            restore(run, state)
-        except ckpt.Unusable as e:
-            log.warning("skipping checkpoint %s: %s", last, e)
-            _fresh_state(run, train_ex, initial, name)
-            continue
-        log.info("resumed from %s at step %d", last, run.step)
-        return last
-    return None
-
-
-def _fresh_state(run: RunState, train_ex, initial: dict, adapter_name: str) -> None:
-    """Undo a partly applied checkpoint: the initial adapter weights, a fresh optimizer, schedule, data position,
-    history, replay buffer, estimator state and value tracker."""
-    from peft import set_peft_model_state_dict
-
-    set_peft_model_state_dict(run.model, initial, adapter_name=adapter_name)
-    run.optimizer = make_optimizer(run.cfg, run.model, run.device)
-    run.scheduler = make_scheduler(run.cfg, run.optimizer)
-    run.sampler = PromptSampler(train_ex, run.cfg.train.batch_size, seed=run.cfg.train.seed)
-    run.history, run.step, run.bad_steps = {}, 0, 0
-    _fresh_learning_state(run)
-
-
-def _fresh_learning_state(run: RunState) -> None:
-    """The state the estimator and the sampler learn across steps, as at step 0: the replay buffer, the estimator's
-    own state (BASIS mix), and the value tracker that prompt selection by value reads."""
-    cfg = run.cfg
-    capacity = run.estimator.replay_capacity(cfg.estimator.options) if run.estimator.replay_capacity else None
-    run.replay = ReplayBuffer(capacity) if capacity else None
-    run.est_state = run.estimator.make_state(cfg.estimator.options)
-    run.value_tracker = None
-    if cfg.data.value_sampling > 0:
-        run.value_tracker = ValueTracker(decay=0.9)
-        run.sampler.accept = selection_probability(run.value_tracker, cfg.data.value_sampling)
-
-
-def check_checkpoint(run: RunState, last: Path, expected: dict, train_ex) -> tuple[dict, dict]:
-    """(adapter tensors, trainer state) of an intact checkpoint once its content is checked; Unusable naming the
-    first problem: adapter tensors missing, extra, misshapen or not finite; a state that does not parse or is
-    nested too deep; a step that is not the folder's or lies outside [1, train.steps]; RNG states that cannot be
-    set; optimizer moments that do not fit the parameters. A checkpoint of other data is a DataError (every
-    checkpoint of the run has it)."""
-    tensors = ckpt.load_adapter_tensors(last / "adapter")
-    ckpt.check_adapter_tensors(tensors, expected)
-    state = ckpt.load_state(last)
-    if not isinstance(state, dict):
-        raise ckpt.Unusable("the trainer state is not a mapping")
-    step = ckpt.check_int(state.get("step"), "step", 1, run.cfg.train.steps)
-    if step != ckpt.step_of(last):
-        raise ckpt.Unusable(f"its state says step {step}, its folder name step {ckpt.step_of(last)}")
-    ckpt.check_int(state.get("bad_steps", 0), "bad_steps", 0, run.cfg.train.max_bad_steps)
-    ckpt.check_rng_state(state.get("rng"))
-    ckpt.check_optimizer_state(state.get("optimizer"), [p for p in run.model.parameters() if p.requires_grad])
-    sampler = state.get("sampler")
-    if not isinstance(sampler, dict):
-        raise ckpt.Unusable("no data position (sampler state)")
-    for key in ("epoch", "position"):
-        ckpt.check_int(sampler.get(key), f"sampler {key}", 0, 2**62)
-    run.sampler.check_state(sampler, run.cfg.data.dataset)  # DataError: the data changed since the checkpoint
-    history = state.get("history", {})
-    if not isinstance(history, dict) or not all(
-            isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and x >= 0 for x in v)
-            for v in history.values()):
-        raise ckpt.Unusable("the per-prompt history is not {prompt id: [successes, rollouts]}")
-    return tensors, state
-
-
-def restore(run: RunState, state: dict) -> None:
-    """Apply a checked trainer state; Unusable when a part of it does not load."""
-    try:
-        run.optimizer.load_state_dict(state["optimizer"])
-        run.scheduler.load_state_dict(state["scheduler"])
-        run.sampler.load_state_dict(state["sampler"])
-        run.history = state.get("history", {})
-        if run.replay is not None and state.get("replay") is not None:
-            run.replay.load_state_dict(state["replay"])
-        if run.est_state is not None and state.get("estimator_state") is not None:
-            run.est_state.load_state_dict(state["estimator_state"])
-        if run.value_tracker is not None and state.get("value_tracker") is not None:
-            run.value_tracker.load_state_dict(state["value_tracker"])
-        if run.scaler is not None and state.get("scaler"):
-            run.scaler.load_state_dict(state["scaler"])
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
-        raise ckpt.Unusable(f"the trainer state does not load ({type(e).__name__}: {str(e)[:200]})") from None
-    run.step, run.bad_steps = state["step"], state.get("bad_steps", 0)
-    was = state.get("rng_mode", "global")
-    if was != ("per_prompt" if run.per_prompt_rng else "global"):
-        log.warning("the checkpoint's rollouts came from %s sampling streams, this run uses %s ones "
-                    "(generation.rng): the resumed run will not repeat the interrupted one", was,
-                    "per_prompt" if run.per_prompt_rng else "global")
-    elif state.get("ranks", 1) != run.ranks.world:
-        log.info("resuming a %d-rank run on %d ranks (per-prompt streams: the same rollouts, up to float rounding)",
-                 state.get("ranks", 1), run.ranks.world)
-    run.summary["eval_before"] = state.get("eval_before")
-    ckpt.set_rng_state(state["rng"])
-    run.metrics.resume(run.step)
-
-
 def checkpoint_state(run: RunState) -> dict:
     return {"step": run.step, "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
             "sampler": run.sampler.state_dict(), "rng": ckpt.rng_state(), "history": run.history,
@@ -532,6 +259,26 @@ def _config_text(run: RunState) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------
 # one step
+
+
+def rollout_step(run: RunState, n: int) -> Step:
+    """Step n's record: the global batch drawn, this rank's share generated (its own sampling streams with
+    generation.rng per_prompt) and scored, then gathered over the ranks (one process: the same path)."""
+    started = time.time()
+    reset_peak_memory(run.device)  # the peak memory of this step's record (Step.metrics) is this step's own
+    batch = next(run.sampler)  # the global batch: the same on every rank
+    ranks = run.ranks
+    mine = ranks.shard(batch)
+    if run.per_prompt_rng:
+        ranks.seed_step(run.cfg.train.seed, n)
+    t0 = time.time()
+    rollouts = rollout(run, mine, n, first=ranks.bounds(len(batch))[0])
+    gen_s = time.time() - t0
+    maybe_kill("generation", n)
+    rewards, scored = score(run, mine, rollouts)
+    return Step.of_rank(n, batch, mine, rollouts, rewards, scored, uses_features=run.uses_features,
+                        uses_trajectory=run.uses_trajectory, generation_s=gen_s,
+                        reward_warnings=run.scorer.warning_count, started=started).gathered(ranks)
 
 
 def rollout(run: RunState, batch, step: int = 0, first: int = 0) -> list:
@@ -563,54 +310,54 @@ def score(run: RunState, batch, rollouts):
     return torch.tensor(scored.total, dtype=torch.float32).view(len(batch), G), scored
 
 
-def baselines(run: RunState, batch, rollouts, rewards: torch.Tensor, step: int = 0,
-              features: torch.Tensor | None = None, trajectory: torch.Tensor | None = None):
-    """(advantages [B, G], baselines [B, G]) from the configured estimator, with the side information it uses.
-
-    `features` [B, D] and `trajectory` [B, G, D'] replace the rollouts' own (the training loop passes those of the
-    global batch). The per-prompt history and the replay buffer get this batch only after the baselines are
-    computed."""
+def baselines(run: RunState, step: Step):
+    """(advantages [B, G], baselines [B, G]) of the step's global batch from the configured estimator, with the
+    side information it uses (the step's features and trajectories, the prior, the history, the replay buffer).
+    The per-prompt history and the replay buffer get this batch only after the baselines are computed."""
     est, G = run.cfg.estimator, run.cfg.estimator.rollouts_per_prompt
-    ids = [ex.id for ex in batch]
-    prior = None
-    if run.estimator.uses_prior or run.uses_history:
-        prior = prior_values(ids, run.prior_table, run.history if run.uses_history else None)
-    if features is None:
-        features = distributed.local_features(rollouts, len(batch), G, run.uses_features)
-    if trajectory is None:
-        trajectory = distributed.local_trajectory(rollouts, len(batch), G, run.uses_trajectory)
-    ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=features, history=run.history,
-                           trajectory_features=trajectory, replay=run.replay, options=est.options,
+    ids = [ex.id for ex in step.batch]
+    prior = prior_values(ids, run.prior_table, run.history if run.uses_history else None) if run.with_prior else None
+    ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=step.features, history=run.history,
+                           trajectory_features=step.trajectory, replay=run.replay, options=est.options,
                            normalize=est.normalize, state=run.est_state)
-    adv, base = run.estimator.compute(rewards, ctx)
+    adv, base = run.estimator.compute(step.rewards, ctx)
     if run.est_state is not None:  # after the baselines, like the history and the replay buffer
-        run.est_state.observe(step, ids, rewards)
+        run.est_state.observe(step.n, ids, step.rewards)
     if run.value_tracker is not None:
-        run.value_tracker.observe(ids, rewards)
+        run.value_tracker.observe(ids, step.rewards)
     if run.uses_history:  # after the baselines: a prompt's history never holds its current reward
-        for ex, row in zip(batch, rewards):
+        for ex, row in zip(step.batch, step.rewards):
             h = run.history.setdefault(ex.id, [0, 0])
             h[0] += int(round(float(row.sum())))
             h[1] += G
     if run.replay is not None:
-        run.replay.add(step, ids, rewards, features, trajectory)
+        run.replay.add(step.n, ids, step.rewards, step.features, step.trajectory)
     return adv, base
 
 
-def update(run: RunState, rollouts, adv: torch.Tensor, step: int):
-    """One optimizer step; a non-finite loss skips it, `train.max_bad_steps` of them in a row abort the run.
+def update(run: RunState, step: Step):
+    """One optimizer step on this rank's rollouts and advantages (timed into `step.training_s`); a non-finite loss
+    skips it, `train.max_bad_steps` of them in a row abort the run.
 
     stats["update_norm"] is the L2 norm of the change of the trainable weights over the step (0 when no update
     happened: every advantage 0, a skipped step, or an optimizer step that moved nothing)."""
-    cfg = run.cfg
+    t0 = time.time()
+    try:
+        return _update(run, step)
+    finally:
+        step.training_s = time.time() - t0
+
+
+def _update(run: RunState, step: Step):
+    cfg, n = run.cfg, step.n
     params = [p for p in run.model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     try:
-        stats, ok = policy_update(cfg, run.model, run.optimizer, rollouts, adv.reshape(-1), run.tok.pad_token_id,
-                                  run.device, step, run.scaler, ranks=run.ranks)
+        stats, ok = policy_update(cfg, run.model, run.optimizer, step.rollouts, step.adv_mine(run.ranks),
+                                  run.tok.pad_token_id, run.device, n, run.scaler, ranks=run.ranks)
     except torch.OutOfMemoryError:
         raise TrainingAborted(
-            f"CUDA out of memory at step {step} with train.micro_batch_size={cfg.train.micro_batch_size}; "
+            f"CUDA out of memory at step {n} with train.micro_batch_size={cfg.train.micro_batch_size}; "
             f"try --set train.micro_batch_size={max(1, cfg.train.micro_batch_size // 2)} (gradient "
             f"accumulation keeps the same effective batch) or a smaller generation.max_new_tokens") from None
     with torch.no_grad():
@@ -625,46 +372,36 @@ def update(run: RunState, rollouts, adv: torch.Tensor, step: int):
         return stats, ok
     run.bad_steps += 1
     log.warning("step %d: non-finite loss or gradient (loss=%s, grad_norm=%s); step skipped (%d in a row, "
-                "abort at %d)", step, stats["loss"], stats["grad_norm"], run.bad_steps, cfg.train.max_bad_steps)
+                "abort at %d)", n, stats["loss"], stats["grad_norm"], run.bad_steps, cfg.train.max_bad_steps)
     if run.bad_steps >= cfg.train.max_bad_steps:
-        raise TrainingAborted(f"{run.bad_steps} non-finite losses in a row at step {step}; lower train.lr "
+        raise TrainingAborted(f"{run.bad_steps} non-finite losses in a row at step {n}; lower train.lr "
                               f"(now {cfg.train.lr}) or check the reward function. The last good checkpoint is in "
                               f"{run.run_dir / 'checkpoints'}")
     return stats, ok
 
 
-def step_record(run: RunState, step, data: distributed.StepData, adv, base, stats, ok, gen_s, train_s) -> dict:
-    """The metrics.jsonl line of one step, over the global batch."""
-    rewards = data.rewards
-    r_flat = rewards.view(-1)
-    comp_tokens = sum(data.completion_lens)
-    return {
-        "step": step, "reward_mean": r_flat.mean().item(), "accuracy": sum(data.correct) / len(data.correct),
-        "format_rate": sum(data.format) / len(data.format), "baseline_mean": base.mean().item(),
-        "advantage_std": adv.std().item() if adv.numel() > 1 else 0.0,
-        "explained_variance": explained_variance(rewards, base),
-        "explained_variance_loo_ref": loo_reference_ev(r_flat.numel()), "kl": stats["kl"], "entropy": stats["entropy"],
-        "completion_len": comp_tokens / len(data.completion_lens), "loss": stats["loss"],
-        "grad_norm": stats["grad_norm"], "clip_fraction": stats["clip_fraction"],
-        "lr": run.optimizer.param_groups[0]["lr"], "generation_s": gen_s, "training_s": train_s,
-        "tokens_per_s": comp_tokens / max(1e-9, gen_s + train_s),
-        "peak_memory_mb": max(data.peak_memory_mb, peak_memory_mb(run.device)),
-        "reward_warnings": data.reward_warnings, "skipped": not ok,
-        "trained_sequences": stats.get("trained_sequences"), "update_norm": stats["update_norm"],
-        "zero_update": stats["update_norm"] == 0.0,
-        **{k: stats[k] for k in OPTIONAL_STEP_METRICS if k in stats},
-        **({"trajectory_feature_s": getattr(run.engine, "trajectory_seconds", 0.0)} if run.uses_trajectory else {}),
-        **({"replay_rows": run.replay.rows} if run.replay is not None else {}),
-        **(run.est_state.metrics() if hasattr(run.est_state, "metrics") else {}),
-        **({"value_sampling_skipped": run.sampler.skipped} if run.value_tracker is not None else {}),
-    }
+def log_step(run: RunState, bar, step: Step, stats: dict, ok: bool) -> None:
+    """The step's metrics.jsonl line and its one-line report; the step counts as done from here."""
+    rec = step.metrics(run, stats, ok)
+    run.metrics.step(rec)
+    report_step(run, bar, rec)
+    run.step = step.n
 
 
-def loo_reference_ev(n: int) -> float:
-    """The explained variance of the plain leave-one-out mean over n rollouts, 1 - (n / (n - 1))^2, whatever the
-    rewards (b_i = (S - r_i) / (n - 1) leaves r_i scaled by n / (n - 1)); nan for n < 2. A baseline that earns
-    something scores above it."""
-    return 1.0 - (n / (n - 1)) ** 2 if n >= 2 else float("nan")
+def maybe_eval(run: RunState, n: int) -> None:
+    every = run.cfg.train.eval_every
+    if every and n % every == 0 and n < run.cfg.train.steps:
+        run.metrics.eval(n, run_eval(run, f"eval (step {n})"))
+
+
+def maybe_checkpoint(run: RunState, n: int) -> None:
+    """Every train.save_every steps and at the last: the ranks checked in sync, rank 0 writes the checkpoint."""
+    cfg = run.cfg
+    if n % cfg.train.save_every == 0 or n == cfg.train.steps:
+        run.ranks.check_in_sync([p for p in run.model.parameters() if p.requires_grad], run.optimizer)
+        if run.ranks.is_main:
+            ckpt.save_checkpoint(run.run_dir, n, run.model, checkpoint_state(run), _config_text(run),
+                                 cfg.train.keep_last)
 
 
 def _loo_ref(rec: dict) -> str:

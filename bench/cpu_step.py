@@ -682,7 +682,7 @@ def make_run_state(trainer_mod, **known):
     return trainer_mod.RunState(**kw)
 
 
-def _timed_update(trainer_mod, update_mod, run, rollouts, adv, shape, lora, gc_on):
+def _timed_update(trainer_mod, update_mod, run, step, shape, lora, gc_on):
     """trainer.update (policy_update, scheduler) with its parts timed; returns (parts dict, stats, ok)."""
     import torch
 
@@ -722,7 +722,7 @@ def _timed_update(trainer_mod, update_mod, run, rollouts, adv, shape, lora, gc_o
             patched(torch.Tensor, "backward", _timer(acc, "bwd")), \
             patched(torch.nn.utils, "clip_grad_norm_", _timer(acc, "opt")), \
             patched(run.optimizer, "step", _timer(acc, "opt")):
-        stats, ok = trainer_mod.update(run, rollouts, adv, 1)
+        stats, ok = trainer_mod.update(run, step)
     acc["total"] = time.perf_counter() - t0
     return acc, stats, ok
 
@@ -772,10 +772,12 @@ def run_child(spec: dict) -> dict:
 
     from basis_lite.config import load_config
     from basis_lite.data import PromptSampler, format_prompt, load_examples
+    from basis_lite.dtypes import resolve_device, resolve_dtype
     from basis_lite.estimators import get_estimator
-    from basis_lite.models import load_policy, resolve_device, resolve_dtype
+    from basis_lite.models import load_policy
     from basis_lite.rewards import RewardScorer
     from basis_lite.runtime import make_engine, seed_everything
+    from basis_lite.step import Step
 
     trainer_mod, update_mod = _step_api()
     make_optimizer, make_scheduler = update_mod.make_optimizer, update_mod.make_scheduler
@@ -849,8 +851,10 @@ def run_child(spec: dict) -> dict:
         rewards, scored = trainer_mod.score(run, batch, rollouts)
         add("reward", time.perf_counter() - t0, tokens=sum(len(r.completion_ids) for r in rollouts),
             note=f"math-verify; accuracy {sum(scored.correct):.0f}/{len(scored.correct)}")
+        step = Step.of_rank(1, batch, batch, rollouts, rewards, scored, uses_features=run.uses_features,
+                            uses_trajectory=run.uses_trajectory, generation_s=0.0, reward_warnings=0)
         t0 = time.perf_counter()
-        adv, _base = trainer_mod.baselines(run, batch, rollouts, rewards)
+        adv, _base = trainer_mod.baselines(run, step)
         note = cfg.estimator.name + ("; prior not computed (a pass before training)"
                                      if cfg.estimator.prior_samples > 0 else "")
         add("advantages", time.perf_counter() - t0, note=note)
@@ -859,6 +863,7 @@ def run_child(spec: dict) -> dict:
         if not bool((adv != 0).any()):
             adv = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(rollouts))])
             adv_note = "all real advantages were 0: +-1 used"
+        step.adv = adv
         gen_row = next(r for r in rows if r.part == "gen total")
         reward_s = sum(r.seconds for r in rows if r.part in ("reward", "advantages"))
 
@@ -879,7 +884,7 @@ def run_child(spec: dict) -> dict:
             for _ in range(repeats):
                 release_memory()
                 with sampler_rss.part() as mem:
-                    acc, stats, ok = _timed_update(trainer_mod, update_mod, run, rollouts, adv, shape, lora, g == "on")
+                    acc, stats, ok = _timed_update(trainer_mod, update_mod, run, step, shape, lora, g == "on")
                 acc["rss_peak_mb"] = mem["rss_peak_mb"]
                 acc["threads"] = torch.get_num_threads()
                 upd.append(acc)
@@ -1092,7 +1097,7 @@ def main(argv=None) -> int:
         raise SystemExit("bench/cpu_step.py measures the CPU; use a CPU preset or --set device=cpu")
     import torch
 
-    from basis_lite.models import resolve_device, resolve_dtype
+    from basis_lite.dtypes import resolve_device, resolve_dtype
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

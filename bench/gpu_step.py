@@ -158,8 +158,8 @@ def cuda_peak() -> dict:
 def run_basis(args, model_dir: str, backend: str, engine_name: str, dry: bool = False) -> dict:
     import torch
 
+    from basis_lite.dtypes import resolve_device, resolve_dtype
     from basis_lite.engines.base import params_from_config
-    from basis_lite.models import resolve_device, resolve_dtype
     from basis_lite.plan import estimate_memory
     from basis_lite.runtime import build_policy, seed_everything
     from basis_lite.update import make_optimizer, policy_update

@@ -84,12 +84,12 @@ def main(argv=None) -> int:
     from provenance import provenance
 
     from basis_lite import checkpoint as ckpt
-    from basis_lite import distributed, trainer
+    from basis_lite import trainer
     from basis_lite.config import load_config, to_dict
     from basis_lite.data import format_prompt, load_examples
     from basis_lite.engines.base import params_from_config
     from basis_lite.engines.trajectory import STATS
-    from basis_lite.models import peak_memory_mb
+    from basis_lite.step import Step
 
     overrides = list(a.set) + ([f"train.steps={a.steps}"] if a.steps else []) + ["train.save_every=100000"]
     cfg = load_config(a.preset, overrides)
@@ -186,12 +186,12 @@ def main(argv=None) -> int:
             put("train_prompt_features", pf, step - 1, (steps, B, pf.shape[1]), np.float16)
             put("train_trajectory", tr, step - 1, (steps, B, n_all, tr.shape[-1]), np.float16)
             meta["train_ids"].append([ex.id for ex in batch])
-            adv, base = trainer.baselines(run, batch, rollouts, rewards, step)
-            t3 = time.time()
-            stats, ok = trainer.update(run, rollouts, adv, step)
-            data = distributed.gather_step(run.ranks, rewards, rollouts, scored, G, run.uses_features, gen_s,
-                                           peak_memory_mb(run.device), run.scorer.warning_count)
-            rec = trainer.step_record(run, step, data, adv, base, stats, ok, gen_s, time.time() - t3)
+            rec_step = Step.of_rank(step, batch, batch, rollouts, rewards, scored, uses_features=run.uses_features,
+                                  uses_trajectory=run.uses_trajectory, generation_s=gen_s,
+                                  reward_warnings=run.scorer.warning_count).gathered(run.ranks)
+            rec_step.adv, rec_step.base = trainer.baselines(run, rec_step)
+            stats, ok = trainer.update(run, rec_step)
+            rec = rec_step.metrics(run, stats, ok)
             rec["extra_s"] = extra_s
             run.metrics.step(rec)
             run.step = step

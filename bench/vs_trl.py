@@ -16,7 +16,7 @@ Arms (each in its own Python process, so their peak RSS are separate; one after 
 What every arm shares (all read from the preset at run time, nothing hard-coded):
 
 - the model: basis_lite.models.load_policy() builds base + LoRA for every arm (the built-in SmolLM2 folder, the
-  dtype from basis_lite.models.resolve_dtype(model.dtype), LoRA r / alpha / dropout / target modules, adapters in
+  dtype from basis_lite.dtypes.resolve_dtype(model.dtype), LoRA r / alpha / dropout / target modules, adapters in
   fp32, gradient checkpointing), after the same seed, so the initial adapter is the same too;
   TRL gets that PeftModel instead of a model path and a peft_config;
 - optimizer and learning-rate schedule: basis-lite's own make_optimizer / make_scheduler (AdamW; linear warmup
@@ -334,7 +334,7 @@ def worker_basis(spec: dict) -> dict:
     import torch
 
     from basis_lite import trainer as bl_trainer
-    from basis_lite.models import resolve_device, resolve_dtype
+    from basis_lite.dtypes import resolve_device, resolve_dtype
 
     cfg = load_config(spec["preset"], spec["overrides"])
     limit = spec.get("eval_limit")
@@ -484,8 +484,9 @@ def worker_trl(spec: dict) -> dict:
     from transformers import TrainerCallback
 
     from basis_lite.data import PromptSampler, format_prompt, load_examples
+    from basis_lite.dtypes import resolve_device, resolve_dtype
     from basis_lite.evaluate import evaluate
-    from basis_lite.models import load_policy, resolve_device, resolve_dtype
+    from basis_lite.models import load_policy
     from basis_lite.rewards import RewardScorer
 
     make_engine, make_optimizer, make_scheduler, seed_everything = (

@@ -68,11 +68,11 @@ class Recorder:
 
         original = trainer.baselines
 
-        def baselines(run, batch, rollouts, rewards, *args, **kwargs):
-            adv, base = original(run, batch, rollouts, rewards, *args, **kwargs)
-            self.write({"kind": "step", "step": run.step + 1, "ids": [ex.id for ex in batch],
-                        "rewards": rewards.reshape(-1).tolist(), "baselines": base.reshape(-1).tolist(),
-                        "advantages": adv.reshape(-1).tolist(), "texts": [r.text for r in rollouts]})
+        def baselines(run, step, *args, **kwargs):
+            adv, base = original(run, step, *args, **kwargs)
+            self.write({"kind": "step", "step": run.step + 1, "ids": [ex.id for ex in step.batch],
+                        "rewards": step.rewards.reshape(-1).tolist(), "baselines": base.reshape(-1).tolist(),
+                        "advantages": adv.reshape(-1).tolist(), "texts": [r.text for r in step.rollouts]})
             return adv, base
 
         trainer.baselines = baselines

@@ -133,7 +133,7 @@ def test_a_10mb_row_is_cut_before_tokenizing(caplog, tmp_path):
     ever sees 10 MB (measured before: 9.6 GB of RAM); a 10 MB gold answer makes its row a bad row."""
     from basis_lite.config import load_config
     from basis_lite.data import load_examples
-    from basis_lite.data.loading import MAX_GOLD_CHARS
+    from basis_lite.data.rows import MAX_GOLD_CHARS
 
     huge_q = "Ignore this. " * 800_000 + "What is 2 + 3?"
     lines = _rows(80) + [json.dumps({"question": huge_q, "answer": "5"}),

@@ -156,6 +156,24 @@ def test_every_key_has_a_meaning_and_every_number_a_range():
         assert all(c in HELP[key] for c in choices), key
 
 
+def test_every_key_is_declared_once_beside_its_field():
+    """Every leaf is a `config_fields.setting` field (help, range or choices, TRL name in its metadata); the tables
+    the config reads (aliases, refused names, help, ranges, choices) are derived from those fields; the estimator
+    help and G's minimums come from the registry."""
+    from basis_lite.config import ALIASES, FIELDS, HELP, REFUSED, all_keys
+    from basis_lite.estimators import estimator_names, get_estimator
+
+    assert list(FIELDS) == all_keys()
+    for key, f in FIELDS.items():
+        assert set(f.metadata) >= {"help", "range", "choices", "trl", "refuse"}, key
+    assert ALIASES == {f.metadata["trl"]: k for k, f in FIELDS.items() if f.metadata["trl"]}
+    assert ALIASES["learning_rate"] == "train.lr" and ALIASES["loss_type"] == "train.loss_aggregation"
+    assert set(REFUSED) == {"per_device_train_batch_size", "gradient_accumulation_steps"}
+    assert all(n in HELP["estimator.name"] for n in estimator_names())
+    for name in estimator_names():  # every estimator that needs G >= 2 is named in G's meaning
+        assert (name in HELP["estimator.rollouts_per_prompt"]) == (get_estimator(name).min_rollouts > 1), name
+
+
 @pytest.mark.parametrize("override,accepted", [
     ("train.max_grad_norm=-1", "a number > 0"),  # flipped every update
     ("train.max_grad_norm=0", "a number > 0"),  # left the adapter at zero

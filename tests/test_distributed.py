@@ -256,15 +256,23 @@ def _gather_inputs(rank: int, b: int = 2, G: int = 2, D: int = 3, Dt: int = 5):
     return rolls, rewards, scored
 
 
+def _rank_step(rank: int, generation_s: float = 0.0, warnings: int = 0):
+    """One rank's Step record of the made-up step (features and trajectories read from its rollouts)."""
+    from basis_lite.step import Step
+
+    rolls, rewards, scored = _gather_inputs(rank)
+    return Step.of_rank(1, [], [], rolls, rewards, scored, uses_features=True, uses_trajectory=True,
+                        generation_s=generation_s, reward_warnings=warnings)
+
+
 def _gather_worker(rank: int, world: int, port: int, out: str):
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    from basis_lite.distributed import ProcessGroupRanks, gather_step
+    from basis_lite.distributed import ProcessGroupRanks
 
     ranks = ProcessGroupRanks(rank, world, rank, world, torch.device("cpu"))
-    rolls, rewards, scored = _gather_inputs(rank)
-    data = gather_step(ranks, rewards, rolls, scored, 2, True, 1.0 + rank, 5.0, rank, uses_trajectory=True)
+    data = _rank_step(rank, 1.0 + rank, rank).gathered(ranks)
     Path(out, f"rank-{rank}.json").write_text(json.dumps({
         "rewards": data.rewards.tolist(), "features": data.features.tolist(), "trajectory": data.trajectory.tolist(),
         "lens": data.completion_lens, "generation_s": data.generation_s, "warnings": data.reward_warnings}))
@@ -279,7 +287,7 @@ def test_gather_step_delivers_the_global_features_and_trajectories(tmp_path):
 
     import torch.multiprocessing as mp
 
-    from basis_lite.distributed import Ranks, gather_step
+    from basis_lite.distributed import Ranks
 
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
@@ -287,8 +295,7 @@ def test_gather_step_delivers_the_global_features_and_trajectories(tmp_path):
     mp.spawn(_gather_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     got = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert got[0] == got[1]
-    parts = [gather_step(Ranks(), rw, ro, sc, 2, True, 0.0, 0.0, 0, uses_trajectory=True)
-             for ro, rw, sc in (_gather_inputs(r) for r in (0, 1))]
+    parts = [_rank_step(r).gathered(Ranks()) for r in (0, 1)]  # one process: the same path, nothing sent
     want_traj = torch.cat([p.trajectory for p in parts])
     assert want_traj.shape == (4, 2, 5)
     assert torch.allclose(torch.tensor(got[0]["trajectory"]), want_traj)

@@ -9,22 +9,22 @@ import logging
 import pytest
 import torch
 
-from basis_lite import models
-from basis_lite.models import Bf16Check, resolve_dtype
+from basis_lite import dtypes, models
+from basis_lite.dtypes import Bf16Check, resolve_dtype
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
 def _fresh_check():
-    models.cpu_bf16_check.cache_clear()
+    dtypes.cpu_bf16_check.cache_clear()
     yield
-    models.cpu_bf16_check.cache_clear()
+    dtypes.cpu_bf16_check.cache_clear()
 
 
 def test_auto_without_native_flags_is_float32_and_says_why(monkeypatch, caplog):
-    monkeypatch.setattr(models, "cpu_bf16_flags", lambda: ())
-    monkeypatch.setattr(models, "cpu_bf16_check", lambda: pytest.fail("no timing is needed without the flags"))
+    monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: ())
+    monkeypatch.setattr(dtypes, "cpu_bf16_check", lambda: pytest.fail("no timing is needed without the flags"))
     with caplog.at_level(logging.INFO, logger="basis_lite"):
         assert resolve_dtype("auto", CPU) == torch.float32
     assert "float32" in caplog.text and "no native bf16" in caplog.text
@@ -33,41 +33,41 @@ def test_auto_without_native_flags_is_float32_and_says_why(monkeypatch, caplog):
 @pytest.mark.parametrize("bf16_ms, fp32_ms, want", [(2.0, 4.0, torch.bfloat16), (40.0, 4.0, torch.float32),
                                                     (3.9, 4.0, torch.float32)])  # no faster: fp32
 def test_auto_with_flags_follows_the_timing(monkeypatch, caplog, bf16_ms, fp32_ms, want):
-    monkeypatch.setattr(models, "cpu_bf16_flags", lambda: ("avx512_bf16",))
-    monkeypatch.setattr(models, "cpu_bf16_check", lambda: Bf16Check(("avx512_bf16",), bf16_ms, fp32_ms))
+    monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+    monkeypatch.setattr(dtypes, "cpu_bf16_check", lambda: Bf16Check(("avx512_bf16",), bf16_ms, fp32_ms))
     with caplog.at_level(logging.INFO, logger="basis_lite"):
         assert resolve_dtype("auto", CPU) == want
     assert f"{bf16_ms:.1f} ms in bf16" in caplog.text
 
 
 def test_explicit_bf16_without_native_support_runs_with_a_warning(monkeypatch, caplog):
-    monkeypatch.setattr(models, "cpu_bf16_check", lambda: Bf16Check((), 52.0, 4.0))
+    monkeypatch.setattr(dtypes, "cpu_bf16_check", lambda: Bf16Check((), 52.0, 4.0))
     with caplog.at_level(logging.WARNING, logger="basis_lite"):
         assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
     assert "13.0x" in caplog.text and "auto would pick float32" in caplog.text
 
 
 def test_explicit_float32_never_times_anything(monkeypatch):
-    monkeypatch.setattr(models, "cpu_bf16_check", lambda: pytest.fail("float32 needs no check"))
+    monkeypatch.setattr(dtypes, "cpu_bf16_check", lambda: pytest.fail("float32 needs no check"))
     assert resolve_dtype("float32", CPU) == torch.float32
 
 
 def test_the_real_check_times_both_dtypes():
-    check = models.cpu_bf16_check()
+    check = dtypes.cpu_bf16_check()
     assert check.bf16_ms > 0 and check.fp32_ms > 0
     assert set(check.flags) <= {"avx512_bf16", "amx_bf16"}
     assert check.probe == ("step" if check.flags else "linear")
-    assert check.fast == (bool(check.flags) and check.bf16_ms < models.BF16_MARGIN * check.fp32_ms)
+    assert check.fast == (bool(check.flags) and check.bf16_ms < dtypes.BF16_MARGIN * check.fp32_ms)
 
 
-SMALL_PROBE = dict(models.STEP_PROBE, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=300,
+SMALL_PROBE = dict(dtypes.STEP_PROBE, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=300,
                    prefill=(2, 8), decode_steps=2, train=(2, 12), completion=4)
 
 
 def test_the_step_probe_times_prefill_decode_and_training_and_leaves_the_rng_alone():
     torch.manual_seed(123)
     before = torch.random.get_rng_state()
-    ms = models.cpu_step_probe_ms(torch.float32, SMALL_PROBE)
+    ms = dtypes.cpu_step_probe_ms(torch.float32, SMALL_PROBE)
     assert torch.equal(torch.random.get_rng_state(), before)
     assert set(ms) == {"prefill", "decode", "train", "total"} and all(v > 0 for v in ms.values())
     w = SMALL_PROBE["weights"]
@@ -76,21 +76,21 @@ def test_the_step_probe_times_prefill_decode_and_training_and_leaves_the_rng_alo
 
 def test_the_step_check_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("BASIS_LITE_CACHE", str(tmp_path))
-    monkeypatch.setattr(models, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+    monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: ("avx512_bf16",))
     calls = []
 
-    def fake_probe(dtype, probe=models.STEP_PROBE):
+    def fake_probe(dtype, probe=dtypes.STEP_PROBE):
         calls.append(dtype)
         total = 10.0 if dtype == torch.bfloat16 else 30.0
         return {"prefill": 1.0, "decode": 1.0, "train": 1.0, "total": total}
 
-    monkeypatch.setattr(models, "cpu_step_probe_ms", fake_probe)
-    first = models.cpu_bf16_check()
+    monkeypatch.setattr(dtypes, "cpu_step_probe_ms", fake_probe)
+    first = dtypes.cpu_bf16_check()
     assert (first.probe, first.cached, first.bf16_ms, first.fp32_ms, first.fast) == ("step", False, 10.0, 30.0, True)
     assert calls == [torch.bfloat16, torch.float32]
-    assert (tmp_path / models.DTYPE_CHECK_FILE).is_file()
-    models.cpu_bf16_check.cache_clear()  # a new process on the same machine: read back, nothing timed
-    again = models.cpu_bf16_check()
+    assert (tmp_path / dtypes.DTYPE_CHECK_FILE).is_file()
+    dtypes.cpu_bf16_check.cache_clear()  # a new process on the same machine: read back, nothing timed
+    again = dtypes.cpu_bf16_check()
     assert again.cached and (again.bf16_ms, again.fp32_ms) == (10.0, 30.0) and len(calls) == 2
     assert "measured earlier" in again.describe()
 

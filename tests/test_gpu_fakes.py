@@ -319,8 +319,8 @@ def test_plain_vllm_engine_with_fake_llm_saves_a_fresh_adapter_each_sync(tiny, f
 
 
 def test_make_vllm_engine_picks_the_engine_and_explains_a_missing_vllm(tiny, monkeypatch, fake_vllm_module):
+    from basis_lite.dtypes import resolve_dtype
     from basis_lite.engines import vllm as ev
-    from basis_lite.models import resolve_dtype
     from basis_lite.runtime import make_engine
 
     cfg, model, tok = tiny

@@ -148,7 +148,7 @@ def test_resume_keeps_the_dtype_auto_chose(tmp_path, monkeypatch, caplog):
 
 
 def test_resume_that_cannot_keep_bf16_stops(tmp_path, monkeypatch, capsys):
-    import basis_lite.models as models
+    import basis_lite.dtypes as dtypes
 
     run = tmp_path / "run"
     _decide_dtype(monkeypatch, torch.bfloat16)
@@ -160,7 +160,7 @@ def test_resume_that_cannot_keep_bf16_stops(tmp_path, monkeypatch, capsys):
     (run / "decided.json").unlink()  # the checkpoint's copy is enough
     before = snapshot(run)
     before.pop(".lock")  # the lock file names its holder (pid and time): a resume that takes the lock rewrites it
-    monkeypatch.setattr(models, "cpu_bf16_flags", lambda: ())  # a CPU without native bf16 (AVX2 only)
+    monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: ())  # a CPU without native bf16 (AVX2 only)
     assert _resume(run) == 2
     err = _error(capsys)
     assert "bfloat16" in err and "no native bf16" in err

@@ -54,7 +54,7 @@ def test_second_writer_is_refused_naming_the_holder(tmp_path, capsys):
 
 def test_default_folders_are_unique_within_one_second(tmp_path, monkeypatch):
     from basis_lite.config import load_config
-    from basis_lite.trainer import claim_run_dir
+    from basis_lite.run_folder import claim_run_dir
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config("smoke", OVERRIDES)

@@ -11,18 +11,20 @@ PKG = Path(__file__).resolve().parent.parent / "basis_lite"
 # Layers, lowest first: a module may import its own layer and the ones below, never one above.
 LAYERS = [
     # contracts and helpers that import nothing of the package's but each other
-    {"errors", "faults", "safeio", "downloads", "data.tasks", "data.example", "answers", "trajectory_layout", "_llama_convert"},
+    {"errors", "faults", "safeio", "downloads", "data.tasks", "data.example", "answers", "trajectory_layout", "_llama_convert",
+     "config_fields"},
     # torch-free configuration: estimator and loss specs, the config tree
-    {"estimators", "estimators.basis_options", "estimators.probe_options", "loss_specs", "config"},
+    {"estimators", "estimators.basis_options", "estimators.probe_options", "loss_specs", "config_keys", "config"},
     # numerics: losses, estimators' functions, data, rewards
     {"losses", "estimators.base", "estimators.simple", "estimators.basis_blocks", "estimators.basis",
-     "estimators.probe", "estimators.poise", "estimators.basis_mix", "data", "data.example", "data.loading", "data.prompts", "data.sampler",
+     "estimators.probe", "estimators.poise", "estimators.basis_mix", "data", "data.example", "data.rows", "data.loading", "data.prompts", "data.sampler",
      "rewards", "reward_worker", "metrics", "plot"},
-    # model loading, engines, distributed, updates, checkpoints, export; EAPO (loads and checks a peft adapter)
+    # model loading, engines, distributed, updates, checkpoints, export
     {"models", "unsloth_backend", "engines", "engines.base", "engines.hf", "engines.seeded", "engines.trajectory",
-     "engines.vllm", "engines.fast_cpu", "distributed", "update", "checkpoint", "plan", "export_check", "eapo"},
+     "engines.vllm", "engines.fast_cpu", "distributed", "update", "checkpoint", "plan", "export_check", "step", "run_folder", "dtypes",
+     "eapo"},
     # assembly
-    {"runtime", "evaluate", "priors", "runs", "trainer", "export", "gguf_export"},
+    {"runtime", "evaluate", "priors", "runs", "resume", "trainer", "export", "gguf_export"},
     {"cli", "__main__", "__init__"},
 ]
 

@@ -26,6 +26,12 @@ from conftest import (
 
 from basis_lite import checkpoint as ckpt
 
+SMOKE_STEP_KEYS = {
+    "accuracy", "advantage_std", "baseline_mean", "clip_fraction", "completion_len", "engine_log_ratio_max",
+    "engine_log_ratio_mean", "entropy", "explained_variance", "explained_variance_loo_ref", "format_rate",
+    "generation_s", "grad_norm", "kl", "loss", "lr", "peak_memory_mb", "reward_mean", "reward_warnings", "skipped",
+    "step", "tokens_per_s", "trained_sequences", "training_s", "update_norm", "zero_update"}
+
 
 def _train(tmp_path, name, overrides) -> Path:
     return train_smoke(tmp_path / name, *overrides)
@@ -55,6 +61,9 @@ def test_smoke_cli_end_to_end(smoke_run):
 
     # one metrics line per step, each with every field, and sane values
     recs = step_records(run)
+    # the exact key set of a one-process smoke run's step line (recorded before the step record, basis_lite.step,
+    # replaced gather_step / step_record: a key lost or added on the way fails here)
+    assert all(set(r) == SMOKE_STEP_KEYS for r in recs), sorted(set(recs[0]) ^ SMOKE_STEP_KEYS)
     assert [r["step"] for r in recs] == list(range(1, cfg.train.steps + 1))
     for r in recs:
         missing = [f for f in STEP_FIELDS if f not in r]

@@ -5,7 +5,8 @@
 local ``.jsonl/.json/.csv/.parquet`` file; any other value is a DataError that lists what is accepted.
 
     tasks.py     the built-in tasks: problem families, difficulty levels, the seeded draw, disjoint splits
-    loading.py   local files and the hub, bad-row accounting, gold-answer extraction, ``load_examples``
+    loading.py   local files and the hub, ``load_examples``
+    rows.py      the rows of both: fields, gold-answer extraction, validation, bad-row accounting
     prompts.py   ``format_prompt``: the chat template, with the system prompt handled per template
     sampler.py   ``PromptSampler``: endless seeded batches, resumable from a checkpoint
     example.py   ``Example``, the record all of them share
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 from ..errors import DataError
 from .example import Example
-from .loading import GOLD_STYLES, HUB_DATASETS, LOCAL_SUFFIXES, SPLITS, gold_answer, load_examples
+from .loading import HUB_DATASETS, LOCAL_SUFFIXES, SPLITS, load_examples
 from .prompts import format_prompt
+from .rows import GOLD_STYLES, gold_answer
 from .sampler import PromptSampler
 from .tasks import BUILTIN_TASKS, level_table
 

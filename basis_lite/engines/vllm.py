@@ -485,7 +485,7 @@ def make_vllm_engine(cfg, model, tok, backend: str):
         log.warning("Unsloth loaded the model without its vLLM engine (vllm missing, or a GPU older than sm70): "
                     "using a separate plain vLLM engine, which holds its own 16-bit copy of the base")
     device = next(model.parameters()).device
-    from ..models import resolve_dtype
+    from ..dtypes import resolve_dtype
 
     dtype = resolve_dtype(cfg.model.dtype, device)
     path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)

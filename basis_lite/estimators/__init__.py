@@ -116,6 +116,14 @@ class EstimatorSpec:
             return {}
         return self.check_options(options)
 
+    def with_prior(self, est) -> bool:
+        """Whether the baselines read a prior (``ctx.prior``), for the config section ``est``: the estimator takes
+        one, the run has one (``prior_samples`` > 0: the offline table; ``history``: this run's earlier rewards),
+        and the options leave it on (``use_prior``). Decided here only: config checks, trainer setup and baselines
+        read it."""
+        return bool(self.uses_prior and (est.prior_samples > 0 or est.history)
+                    and (est.options or {}).get("use_prior", True))
+
     def function(self) -> Callable:
         """The estimator function: ``fn``, or the one ``@estimator(name)`` bound (its modules imported now)."""
         if self.fn is not None:
