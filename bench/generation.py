@@ -45,9 +45,10 @@ def measure_dtype(preset: str, dtype_name: str, repeats: int, overrides: list[st
     import torch
 
     from basis_lite.config import load_config
+    from basis_lite.dtypes import resolve_device, resolve_dtype
     from basis_lite.engines.base import params_from_config
     from basis_lite.engines.hf import HFEngine
-    from basis_lite.models import load_policy, resolve_device, resolve_dtype
+    from basis_lite.models import load_policy
     from basis_lite.runtime import seed_everything
 
     cfg = load_config(preset, [*overrides, f"model.dtype={dtype_name}"])
@@ -100,9 +101,10 @@ def measure_step(preset: str, dtype_name: str, overrides: list[str]) -> dict:
 
     from basis_lite import trainer
     from basis_lite.config import load_config
+    from basis_lite.dtypes import resolve_device, resolve_dtype
     from basis_lite.engines.hf import HFEngine
     from basis_lite.estimators import get_estimator
-    from basis_lite.models import load_policy, resolve_device, resolve_dtype
+    from basis_lite.models import load_policy
     from basis_lite.rewards import RewardScorer
     from basis_lite.runtime import seed_everything
     from basis_lite.update import make_optimizer, make_scheduler
