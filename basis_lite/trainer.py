@@ -395,13 +395,15 @@ def maybe_eval(run: RunState, n: int) -> None:
 
 
 def maybe_checkpoint(run: RunState, n: int) -> None:
-    """Every train.save_every steps and at the last: the ranks checked in sync, rank 0 writes the checkpoint."""
+    """Every train.save_every steps and at the last: the ranks checked in sync, rank 0 writes the checkpoint, and
+    no rank goes on before it is on disk (a rank that dies in the next step then leaves this checkpoint behind)."""
     cfg = run.cfg
     if n % cfg.train.save_every == 0 or n == cfg.train.steps:
         run.ranks.check_in_sync([p for p in run.model.parameters() if p.requires_grad], run.optimizer)
         if run.ranks.is_main:
             ckpt.save_checkpoint(run.run_dir, n, run.model, checkpoint_state(run), _config_text(run),
                                  cfg.train.keep_last)
+        run.ranks.sum([0.0])  # a barrier: one collective every rank joins after rank 0's write
 
 
 def _loo_ref(rec: dict) -> str:

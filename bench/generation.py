@@ -107,6 +107,7 @@ def measure_step(preset: str, dtype_name: str, overrides: list[str]) -> dict:
     from basis_lite.models import load_policy
     from basis_lite.rewards import RewardScorer
     from basis_lite.runtime import seed_everything
+    from basis_lite.step import Step
     from basis_lite.update import make_optimizer, make_scheduler
 
     out = {}
@@ -130,10 +131,13 @@ def measure_step(preset: str, dtype_name: str, overrides: list[str]) -> dict:
         t0 = time.perf_counter()
         rolls = trainer.rollout(run, batch)
         t_gen = time.perf_counter() - t0
-        rewards, _ = trainer.score(run, batch, rolls)
-        adv, _ = trainer.baselines(run, batch, rolls, rewards)
+        rewards, scored = trainer.score(run, batch, rolls)
+        step = Step.of_rank(1, batch, batch, rolls, rewards, scored, uses_features=run.uses_features,
+                            uses_trajectory=run.uses_trajectory, generation_s=t_gen,
+                            reward_warnings=0).gathered(run.ranks)
+        step.adv, step.base = trainer.baselines(run, step)
         t1 = time.perf_counter()
-        trainer.update(run, rolls, adv, 1)
+        trainer.update(run, step)
         t_train = time.perf_counter() - t1
         out[name] = {"gen_s": t_gen, "train_s": t_train, "step_s": time.perf_counter() - t0,
                      "tokens": sum(len(r.completion_ids) for r in rolls)}
