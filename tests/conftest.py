@@ -145,3 +145,17 @@ def smoke_run(tmp_path_factory):
 
 def pytest_addoption(parser):
     parser.addoption("--golden-print", action="store_true", help="print the values tests/test_golden_curve.py pins")
+
+
+def trainer_logprobs(model, tok, rolls, temperature):
+    """The trainer's re-scoring of rollouts: each completion token's log-prob at `temperature` (a list of tensors)."""
+    import torch
+
+    from basis_lite.losses import sequence_logprobs
+    from basis_lite.update import pack_sequences
+
+    ids, attn, cmask = pack_sequences(rolls, 512, tok.pad_token_id)
+    model.eval()
+    with torch.no_grad():
+        lp = sequence_logprobs(model, ids, attn, cmask, temperature=temperature).logprobs
+    return [lp[i, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.completion_ids)] for i, r in enumerate(rolls)]

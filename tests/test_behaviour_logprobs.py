@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import VARIED, adapter_weights, step_records, train_smoke
+from conftest import VARIED, adapter_weights, step_records, train_smoke, trainer_logprobs
 
 from basis_lite.config import load_config
 from basis_lite.engines.base import SamplingParams
@@ -37,12 +37,6 @@ def policy():
     return cfg, model, tok
 
 
-def _forward_logprobs(model, tok, rolls, temperature):
-    ids, attn, cmask = pack_sequences(rolls, 512, tok.pad_token_id)
-    model.eval()
-    with torch.no_grad():
-        lp = sequence_logprobs(model, ids, attn, cmask, temperature=temperature).logprobs
-    return [lp[i, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.completion_ids)] for i, r in enumerate(rolls)]
 
 
 @pytest.mark.parametrize("temperature,top_k,per_prompt", [(0.7, 0, False), (1.3, 5, False), (0.0, 0, False),
@@ -62,8 +56,8 @@ def test_hf_logprobs_equal_a_separate_forward_at_the_sampling_temperature(policy
                             seeds=[stream_seed(0, "t", i) for i in range(len(PROMPTS))] if per_prompt else None)
     rolls = eng.generate(PROMPTS, params)
     scale = temperature or 1.0
-    want = _forward_logprobs(model, tok, rolls, scale)
-    other = _forward_logprobs(model, tok, rolls, 2.0 * scale)
+    want = trainer_logprobs(model, tok, rolls, scale)
+    other = trainer_logprobs(model, tok, rolls, 2.0 * scale)
     for r, w, o in zip(rolls, want, other):
         assert len(r.logprobs) == len(r.completion_ids) > 0
         got = torch.tensor(r.logprobs)

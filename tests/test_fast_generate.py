@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import trainer_logprobs
 
 from basis_lite.config import load_config
 from basis_lite.engines.base import SamplingParams
 from basis_lite.engines.hf import HFEngine
 from basis_lite.engines.seeded import stream_seed
 from basis_lite.errors import ConfigError
-from basis_lite.losses import sequence_logprobs
 from basis_lite.models import load_policy
-from basis_lite.update import make_optimizer, pack_sequences, policy_update
+from basis_lite.update import make_optimizer, policy_update
 
 CPU = torch.device("cpu")
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -48,12 +48,6 @@ def _engines(model, tok, **kw):
     return fast, plain
 
 
-def _rescore(model, tok, rolls, temperature):
-    ids, attn, cmask = pack_sequences(rolls, 512, tok.pad_token_id)
-    model.eval()
-    with torch.no_grad():
-        lp = sequence_logprobs(model, ids, attn, cmask, temperature=temperature).logprobs
-    return [lp[i, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.completion_ids)] for i, r in enumerate(rolls)]
 
 
 def _top2_margin(model, prompt_ids, completion, at):
@@ -149,7 +143,7 @@ def test_logprobs_equal_the_trainer_rescoring_after_updates(temperature, top_k, 
         fast.sync(model)
         rolls = fast.generate(PROMPTS, params)
         scale = temperature or 1.0
-        for r, w, o in zip(rolls, _rescore(model, tok, rolls, scale), _rescore(model, tok, rolls, 2 * scale)):
+        for r, w, o in zip(rolls, trainer_logprobs(model, tok, rolls, scale), trainer_logprobs(model, tok, rolls, 2 * scale)):
             got = torch.tensor(r.logprobs)
             assert len(got) == len(r.completion_ids) > 0
             assert (got - w).abs().max().item() <= 1e-4, (step, got, w)
@@ -301,12 +295,12 @@ def test_smollm2_fast_path_equals_generate_on_the_default_batch(dtype):
     assert sum(r.finished for r in want) >= 8 and len({len(r.completion_ids) for r in want}) > 2
     if dtype == torch.float32:
         _assert_same_tokens(model, got, want)
-        for r, w in zip(got, _rescore(model, tok, got, 1.0)):
+        for r, w in zip(got, trainer_logprobs(model, tok, got, 1.0)):
             assert (torch.tensor(r.logprobs) - w).abs().max().item() <= 1e-4
     else:
         def mismatch(rolls):
             return torch.cat([(torch.tensor(r.logprobs) - w.float()).abs()
-                              for r, w in zip(rolls, _rescore(model, tok, rolls, 1.0))]).mean().item()
+                              for r, w in zip(rolls, trainer_logprobs(model, tok, rolls, 1.0))]).mean().item()
 
         fast_mm, plain_mm = mismatch(got), mismatch(want)
         assert fast_mm <= 1.5 * plain_mm + 1e-3, (fast_mm, plain_mm)
