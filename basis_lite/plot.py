@@ -34,7 +34,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .metrics import FILE as METRICS_FILE
-from .metrics import read_metrics
+from .metrics import loo_reference_ev, read_metrics
 from .safeio import check_run_folder
 
 MIN_SMOOTH_POINTS = 5
@@ -80,11 +80,6 @@ def smooth(ys: list[float], window: int) -> list[float]:
         vals = [y for y in ys[max(0, i - half):i + half + 1] if not math.isnan(y)]
         out.append(sum(vals) / len(vals) if vals else math.nan)
     return out
-
-
-def loo_mean_explained_variance(rollouts: int) -> float:
-    """What the leave-one-out batch mean scores: r_i - mean of the others = B/(B-1) (r_i - mean), whatever r is."""
-    return 1.0 - (rollouts / (rollouts - 1)) ** 2
 
 
 def wilson_interval(correct: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -282,7 +277,7 @@ def _ev_axes(ax, steps, rollouts_per_step) -> None:
         ax.plot(logged[0], logged[1], color="tab:red", lw=1, ls="--", drawstyle="steps-mid",
                 label="leave-one-out batch mean, 1-(B/(B-1))^2 (logged per step)")
     elif rollouts_per_step:
-        ref = loo_mean_explained_variance(rollouts_per_step)
+        ref = loo_reference_ev(rollouts_per_step)
         ax.axhline(ref, color="tab:red", lw=1, ls="--",
                    label=f"leave-one-out batch mean, 1-(B/(B-1))^2, B={rollouts_per_step}: {ref:.3f}")
     ax.set_ylabel("1 - Var(r - b) / Var(r)")

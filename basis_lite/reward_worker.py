@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import RewardError
+from .safeio import inside
 
 _STARTUP_TIMEOUT_S = 120.0  # a fresh worker must import the user functions within this time
 
@@ -45,18 +46,11 @@ def _refuse_code_from(mod_name: str, spec: str, refused_dirs: Sequence) -> None:
     """Keep code inside `refused_dirs` (a resumed run's folder) from being imported: a module that would be found
     inside one is a RewardError, raised before anything of it runs, and their entries leave sys.path (the working
     directory too, when it lies inside one), so that nothing a module imports comes from there either."""
-    from pathlib import Path
-
-    bases = [Path(d).resolve() for d in refused_dirs]
-    if not bases:
+    if not refused_dirs:
         return
 
     def refused(p) -> bool:
-        try:
-            r = Path(p or os.getcwd()).resolve()
-        except (OSError, RuntimeError):
-            return False
-        return any(r == b or b in r.parents for b in bases)
+        return any(inside(d, p or os.getcwd()) for d in refused_dirs)
 
     try:
         found = importlib.util.find_spec(mod_name.split(".")[0])  # finds, runs nothing

@@ -22,6 +22,7 @@ import torch
 from .distributed import Ranks
 from .errors import TrainingAborted
 from .estimators.base import explained_variance
+from .metrics import loo_reference_ev
 from .models import peak_memory_mb
 from .update import OPTIONAL_STEP_METRICS
 
@@ -84,7 +85,7 @@ class Step:
         if self.trajectory is not None:
             parts.append(self.trajectory.reshape(-1).double())
         t0 = time.time()
-        ranks.sum([0.0])  # waits for the slowest rank, so gather_s below is the transfer alone
+        ranks.barrier()  # waits for the slowest rank, so gather_s below is the transfer alone
         t1 = time.time()
         rows = ranks.gather_rows(torch.cat(parts)[None, :])  # [world, L]
         t2 = time.time()
@@ -146,10 +147,3 @@ class Step:
                         "gather_bytes": self.gather_bytes, "allreduce_s": ranks.last_allreduce_s,
                         "allreduce_bytes": ranks.last_allreduce_bytes, "step_s": time.time() - self.started})
         return rec
-
-
-def loo_reference_ev(n: int) -> float:
-    """The explained variance of the plain leave-one-out mean over n rollouts, 1 - (n / (n - 1))^2, whatever the
-    rewards (b_i = (S - r_i) / (n - 1) leaves r_i scaled by n / (n - 1)); nan for n < 2. A baseline that earns
-    something scores above it."""
-    return 1.0 - (n / (n - 1)) ** 2 if n >= 2 else float("nan")

@@ -403,7 +403,7 @@ def maybe_checkpoint(run: RunState, n: int) -> None:
         if run.ranks.is_main:
             ckpt.save_checkpoint(run.run_dir, n, run.model, checkpoint_state(run), _config_text(run),
                                  cfg.train.keep_last)
-        run.ranks.sum([0.0])  # a barrier: one collective every rank joins after rank 0's write
+        run.ranks.barrier()  # no rank goes on before rank 0's write is done
 
 
 def _loo_ref(rec: dict) -> str:

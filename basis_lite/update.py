@@ -267,10 +267,11 @@ def run_pass(s: _Step, epoch: int) -> dict:
             ep["kl"] += kl.item()
         (s.scaler.scale(loss) if s.scaler is not None else loss).backward()
         ep["loss"] += loss.item()
-        ep["clip_fraction"] += float(ls["clip_fraction"]) * int(out.mask.sum()) / max(1, s.norm.num_tokens)
+        ntok = int(out.mask.sum())
+        ep["clip_fraction"] += float(ls["clip_fraction"]) * ntok / max(1, s.norm.num_tokens)
         if out.entropy is not None:
             ep["entropy_sum"] += float((out.entropy * out.mask).sum())
-            ep["ent_tokens"] += int(out.mask.sum())
+            ep["ent_tokens"] += ntok
     return ep
 
 

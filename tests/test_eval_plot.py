@@ -272,13 +272,14 @@ def test_explained_variance_reference_is_what_the_leave_one_out_mean_scores():
     import torch
 
     from basis_lite.estimators.base import explained_variance
-    from basis_lite.plot import EV_NOTE, build_figures, loo_mean_explained_variance
+    from basis_lite.metrics import loo_reference_ev
+    from basis_lite.plot import EV_NOTE, build_figures
 
     rng = np.random.default_rng(0)
     for b in (8, 32, 128):
         r = torch.tensor(rng.integers(0, 2, b), dtype=torch.float64)
         loo = (r.sum() - r) / (b - 1)
-        assert explained_variance(r, loo) == pytest.approx(loo_mean_explained_variance(b), rel=1e-9)
+        assert explained_variance(r, loo) == pytest.approx(loo_reference_ev(b), rel=1e-9)
     steps, evals = _synthetic()
     fig = build_figures(steps, evals, rollouts_per_step=32)["explained_variance.png"]
     ref = _line(fig.axes[0], "leave-one-out batch mean")

@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .seeded import logit_warpers
+
 SUPPORTED_MODEL_TYPES = ("llama",)
 _LINEARS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
             ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
@@ -282,7 +284,7 @@ class FastDecoder:
         alive = torch.arange(B)  # original row of each cache row
         out_tok = [[] for _ in range(B)]
         out_lp = [[] for _ in range(B)]
-        warpers = _warpers(temperature, top_p, top_k) if not greedy else []
+        warpers = logit_warpers(1.0, top_p, top_k) if not greedy else []  # z below is already divided by T
         slot = P + S
         for step in range(max_new_tokens):
             z = logits / temperature if (not greedy and temperature != 1.0) else logits
@@ -290,7 +292,7 @@ class FastDecoder:
             if greedy:
                 tok = logits.argmax(dim=-1)
             else:
-                warped = logits
+                warped = z
                 for w in warpers:
                     warped = w(None, warped)
                 if generators is None:
@@ -388,15 +390,3 @@ def _common_prefix(rows: list[list[int]], limit: int) -> int:
         n = i
     return n
 
-
-def _warpers(temperature: float, top_p: float, top_k: int):
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    out = []
-    if temperature != 1.0:
-        out.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        out.append(TopKLogitsWarper(top_k=top_k))
-    if top_p < 1.0:
-        out.append(TopPLogitsWarper(top_p=top_p))
-    return out

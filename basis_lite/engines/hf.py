@@ -217,16 +217,11 @@ class HFEngine:
         gens = None
         if params.seeds is not None and params.temperature > 0:
             gens = [torch.Generator().manual_seed(s) for s in row_seeds(params.seeds, params.n)]
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with inference_mode(self.model):
             toks, lps, feats = self._fast.generate(
                 rows, params.max_new_tokens, self.stop_ids, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k, generators=gens, feature_layer=self.feature_layer if with_features else None,
                 feature_tokens=self.feature_tokens)
-        finally:
-            if was_training:
-                self.model.train()
         stops = set(self.stop_ids)
         return [Rollout(prompt=prompts[row // params.n], prompt_ids=rows[row], completion_ids=comp,
                         text=self.tok.decode(comp, skip_special_tokens=True),

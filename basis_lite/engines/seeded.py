@@ -31,6 +31,21 @@ def row_seeds(prompt_seeds: list[int], n: int) -> list[int]:
     return [stream_seed(s, "sample", j) for s in prompt_seeds for j in range(n)]
 
 
+def logit_warpers(temperature: float, top_p: float, top_k: int) -> list:
+    """transformers' warpers for the sampling settings, in generate()'s order: temperature, top-k, top-p (each only
+    when it changes something)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    out = []
+    if temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        out.append(TopKLogitsWarper(top_k=top_k))
+    if top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=top_p))
+    return out
+
+
 class SeededSampler:
     """A transformers logits processor that samples each row from its own torch.Generator (Gumbel-max).
 
@@ -39,20 +54,8 @@ class SeededSampler:
     """
 
     def __init__(self, seeds: list[int], temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
-        from transformers.generation.logits_process import (
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
         self.seeds = list(seeds)
-        self.warpers = []
-        if temperature != 1.0:
-            self.warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            self.warpers.append(TopKLogitsWarper(top_k=top_k))
-        if top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(top_p=top_p))
+        self.warpers = logit_warpers(temperature, top_p, top_k)
         self.generators: list[torch.Generator] | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
