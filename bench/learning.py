@@ -586,6 +586,14 @@ def write_md(report: dict, path: Path) -> None:
                             " (one seed)")
                          + "; per seed " + ", ".join(f"{sd}: {d:+.3f}" for sd, d in pr["final_accuracy_diff"].items())
                          + f"; training clock {pr['clock_ratio']:.2f}x {pr['vs']}'s.")
+    for a, pr in report.get("paired_basis", {}).items():
+        lines.append("")
+        lines.append(f"Paired by seed, basis minus {a}: final accuracy {pr['mean_diff']:+.3f}"
+                     + (f" +- {pr['se']:.3f} (SE over {len(pr['seeds'])} seeds)" if pr["se"] is not None else
+                        " (one seed)")
+                     + "; per seed " + ", ".join(f"{sd}: {d:+.3f}" for sd, d in pr["final_accuracy_diff"].items())
+                     + f"; training clock {pr['clock_ratio']:.2f}x {a}'s.")
+    lines += _time_to_accuracy_md(report.get("time_to_accuracy"), arms)
     machines = _machines(report, arms)
     if len(machines) == 1:
         lines += ["", f"Machine: {next(iter(machines))}; train.threads={sh.get('threads') or 'all'}.", ""]
@@ -606,6 +614,37 @@ def write_md(report: dict, path: Path) -> None:
     lines += [f"Generated {report.get('created', '')} by bench/learning.py; data in learning.json, chart "
               "learning.png.", ""]
     path.write_text("\n".join(lines))
+
+
+def _time_to_accuracy_md(tta: dict | None, arms: list[str]) -> list[str]:
+    if not tta or not tta.get("arms"):
+        return []
+    ts = tta["thresholds"]
+    lines = ["", "Training clock to reach a held-out accuracy (first eval point of the mean curve at or above it; "
+             "\"-\" = not reached; in brackets, how many seeds reach it on their own):", "",
+             "| arm | " + " | ".join(f">= {t:g}" for t in ts) + " |", "|---|" + "---|" * len(ts)]
+    for a in arms:
+        row = tta["arms"].get(a)
+        if row is None:
+            continue
+        cells = []
+        for t in ts:
+            c = row["mean_curve"].get(str(t))
+            cell = "-" if c is None else _fmt_clock(c)
+            if "seeds_reaching" in row:
+                cell += f" ({row['seeds_reaching'][str(t)]}/{row['n_seeds']})"
+            cells.append(cell)
+        lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    for a, r in tta.get("basis_reaches", {}).items():
+        lines.append("")
+        if r["clock_s"] is None:
+            lines.append(f"basis does not reach {a}'s final accuracy {r['accuracy']:.3f} within its run (basis final "
+                         f"{_acc(r['basis_final_accuracy'])} after {_fmt_clock(r['basis_total_clock_s'] or 0.0)}; "
+                         f"{a} took {_fmt_clock(r['other_clock_s'])}).")
+        else:
+            lines.append(f"basis reaches {a}'s final accuracy {r['accuracy']:.3f} after {_fmt_clock(r['clock_s'])} "
+                         f"of training clock, {r['ratio']:.2f}x the {_fmt_clock(r['other_clock_s'])} {a} trained for.")
+    return lines
 
 
 def write_png(report: dict, path: Path) -> bool:
@@ -684,6 +723,8 @@ def parse_args(argv):
                    help="config override for every arm (repeatable)")
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="run every arm once per train.seed (runs under <runs>/seed<S>) and report means over seeds")
+    p.add_argument("--thresholds", default="0.5,0.55,0.6,0.65",
+                   help="held-out accuracies for the time-to-accuracy table (comma-separated, default 0.5,0.55,0.6,0.65)")
     p.add_argument("--analyze-only", action="store_true", help="no training: rebuild the outputs from JSON/run folders")
     p.add_argument("--quiet", action="store_true", help="arm output to <runs>/<arm>.log, no progress bars")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -694,6 +735,12 @@ def parse_args(argv):
         p.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds: {args.seeds} repeats a seed")
+    try:
+        args.thresholds = sorted(float(x) for x in args.thresholds.split(",") if x.strip())
+    except ValueError:
+        p.error(f"--thresholds: expected comma-separated accuracies such as 0.5,0.6, got {args.thresholds!r}")
+    if not args.thresholds or not all(0.0 < t <= 1.0 for t in args.thresholds):
+        p.error(f"--thresholds: {args.thresholds} must be accuracies in (0, 1]")
     if args.prior_samples < 1:
         p.error("--prior-samples must be >= 1")
     try:
@@ -742,27 +789,85 @@ def aggregate(per_seed: dict[str, dict], arm_order: list[str]) -> dict[str, dict
     return out
 
 
+# basis against the arms users would pick instead of it (besides PAIR_BASE's reinforce_pp): reported as "basis minus X"
+BASIS_VS = ("grpo8", "rloo2", "grpo8_wide", "basis_mix", "basis_value")
+
+
+def _paired_diff(per_seed: dict[str, dict], arm: str, base: str) -> dict | None:
+    """`arm` minus `base`, seed by seed (same eval problems, prompts and initial adapter): final accuracy and
+    training clock, with the mean difference and its standard error over seeds; None if no seed has both."""
+    rows = {sd: (r[arm].get("final_accuracy"), r[base].get("final_accuracy"), r[arm].get("total_clock_s"),
+                 r[base].get("total_clock_s")) for sd, r in per_seed.items() if arm in r and base in r}
+    rows = {sd: v for sd, v in rows.items() if None not in v}
+    if not rows:
+        return None
+    d = [a - b for a, b, _, _ in rows.values()]
+    n = len(d)
+    m = sum(d) / n
+    se = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1) / n) if n > 1 else None
+    return {"vs": base, "seeds": list(rows), "final_accuracy_diff": dict(zip(rows, d)), "mean_diff": m, "se": se,
+            "clock_ratio": sum(c for _, _, c, _ in rows.values()) / max(1e-9, sum(c for _, _, _, c in rows.values()))}
+
+
 def paired(per_seed: dict[str, dict], arm_order: list[str]) -> dict[str, dict]:
-    """Every arm minus the arm PAIR_BASE names for it (reinforce_pp; hard for hard_eapo), seed by seed (same eval
-    problems, prompts and initial adapter): final accuracy and training clock, with the mean difference and its
-    standard error over seeds."""
+    """Every arm minus the arm PAIR_BASE names for it (reinforce_pp; hard for hard_eapo), seed by seed."""
     out = {}
     for arm in arm_order:
         base = PAIR_BASE.get(arm)
-        if base is None or base not in arm_order:
-            continue
-        rows = {sd: (r[arm].get("final_accuracy"), r[base].get("final_accuracy"), r[arm].get("total_clock_s"),
-                     r[base].get("total_clock_s")) for sd, r in per_seed.items() if arm in r and base in r}
-        rows = {sd: v for sd, v in rows.items() if None not in v}
-        if not rows:
-            continue
-        d = [a - b for a, b, _, _ in rows.values()]
-        n = len(d)
-        m = sum(d) / n
-        se = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1) / n) if n > 1 else None
-        out[arm] = {"vs": base, "seeds": list(rows), "final_accuracy_diff": dict(zip(rows, d)), "mean_diff": m,
-                    "se": se, "clock_ratio": sum(c for _, _, c, _ in rows.values()) /
-                    max(1e-9, sum(c for _, _, _, c in rows.values()))}
+        if base is not None and base in arm_order and (pr := _paired_diff(per_seed, arm, base)) is not None:
+            out[arm] = pr
+    return out
+
+
+def paired_basis(per_seed: dict[str, dict], arm_order: list[str]) -> dict[str, dict]:
+    """basis minus each BASIS_VS arm that ran (keyed by that arm), seed by seed; only the seeds both ran count."""
+    if "basis" not in arm_order:
+        return {}
+    out = {}
+    for other in BASIS_VS:
+        if other in arm_order and (pr := _paired_diff(per_seed, "basis", other)) is not None:
+            out[other] = pr
+    return out
+
+
+def clock_to_reach(points: list[dict], accuracy: float) -> float | None:
+    """The clock of the first eval point (in clock order) at or above `accuracy`; None if none is. Eval points are
+    every train.eval_every steps, so this is "reached by", at that granularity."""
+    for p in sorted(points, key=lambda q: (q["clock_s"], q["step"])):
+        if p["eval_accuracy"] >= accuracy - 1e-12:
+            return p["clock_s"]
+    return None
+
+
+def time_to_accuracy(report: dict, thresholds: list[float]) -> dict:
+    """Per arm, the clock its (mean-over-seeds) curve needs to reach each threshold, and per seed how many reach it;
+    and, for every other arm, the clock basis needs to reach that arm's final accuracy over that arm's total clock
+    (the BASIS paper's "as accurate in less training time" question; < 1 means basis gets there sooner)."""
+    arms = [a for a in report["arm_order"] if a in report["arms"] and report["arms"][a]["points"]]
+    out = {"thresholds": thresholds, "arms": {}, "basis_reaches": {}}
+    for a in arms:
+        pts = report["arms"][a]["points"]
+        row = {"mean_curve": {str(t): clock_to_reach(pts, t) for t in thresholds}}
+        if report.get("per_seed"):
+            recs = [r[a] for r in report["per_seed"].values() if a in r and r[a].get("points")]
+            row["seeds_reaching"] = {str(t): sum(clock_to_reach(r["points"], t) is not None for r in recs)
+                                     for t in thresholds}
+            row["n_seeds"] = len(recs)
+        out["arms"][a] = row
+    if "basis" in arms:
+        bpts = report["arms"]["basis"]["points"]
+        for a in arms:
+            if a == "basis":
+                continue
+            r = report["arms"][a]
+            target, total = r.get("final_accuracy"), r.get("total_clock_s") or 0.0
+            if target is None or total <= 0:
+                continue
+            c = clock_to_reach(bpts, target)
+            out["basis_reaches"][a] = {"accuracy": target, "clock_s": c, "other_clock_s": total,
+                                       "ratio": None if c is None else c / total,
+                                       "basis_final_accuracy": report["arms"]["basis"].get("final_accuracy"),
+                                       "basis_total_clock_s": report["arms"]["basis"].get("total_clock_s")}
     return out
 
 
@@ -824,6 +929,8 @@ def main(argv=None) -> int:
         if args.seeds is not None:
             report["arms"] = aggregate(report["per_seed"], report["arm_order"])
             report["paired"] = paired(report["per_seed"], report["arm_order"])
+            report["paired_basis"] = paired_basis(report["per_seed"], report["arm_order"])
+        report["time_to_accuracy"] = time_to_accuracy(report, args.thresholds)
         json_path.write_text(json.dumps(report, indent=2, default=str))
         write_md(report, out / "learning.md")
         write_png(report, out / "learning.png")

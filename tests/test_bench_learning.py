@@ -239,3 +239,40 @@ def test_eapo_arms_settings_and_pairing(mod, tmp_path, capsys):
     assert pr["mean_diff"] == pytest.approx(0.05) and pr["se"] == pytest.approx(0.05) and pr["clock_ratio"] == 2.0
     md = (out / "learning.md").read_text()
     assert "hard_eapo minus hard: final accuracy +0.050 +- 0.050" in md and "EAPO arms:" in md
+
+
+def test_time_to_accuracy_and_basis_against_grpo_at_equal_prompts(mod, tmp_path):
+    """The time-to-accuracy table reads the mean curve (first eval point at or above each threshold, per-seed counts)
+    and the headline divides the clock basis needs to reach another arm's final accuracy by that arm's clock; basis
+    minus grpo8_wide is paired by seed."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    for sd, b_accs, w_accs in (("0", [0.2, 0.5, 0.6, 0.7], [0.2, 0.4, 0.6, 0.6]),
+                               ("1", [0.2, 0.4, 0.6, 0.7], [0.2, 0.5, 0.6, 0.8])):
+        _fake_run(runs / f"seed{sd}" / "basis", [(1.0, 1.0)] * 3, b_accs, None)
+        _fake_run(runs / f"seed{sd}" / "grpo8_wide", [(4.0, 6.0)] * 3, w_accs, None)
+    assert mod.main(["--preset", "smoke", "--arms", "basis,grpo8_wide", "--seeds", "0", "1", "--out", str(out),
+                     "--runs", str(runs), "--analyze-only", "--thresholds", "0.45,0.6,0.75"]) == 0
+    rep = json.loads((out / "learning.json").read_text())
+    tta = rep["time_to_accuracy"]
+    assert tta["thresholds"] == [0.45, 0.6, 0.75]
+    b = tta["arms"]["basis"]
+    # basis mean curve: 0.2, 0.45, 0.6, 0.7 at clocks 0, 2, 4, 6
+    assert b["mean_curve"] == {"0.45": 2.0, "0.6": 4.0, "0.75": None}
+    assert b["seeds_reaching"] == {"0.45": 2, "0.6": 2, "0.75": 0} and b["n_seeds"] == 2
+    w = tta["arms"]["grpo8_wide"]  # mean 0.2, 0.45, 0.6, 0.7 at clocks 0, 10, 20, 30; seed 1 alone reaches 0.8
+    assert w["mean_curve"] == {"0.45": 10.0, "0.6": 20.0, "0.75": None} and w["seeds_reaching"]["0.75"] == 1
+    hr = tta["basis_reaches"]["grpo8_wide"]
+    assert hr["accuracy"] == pytest.approx(0.7) and hr["clock_s"] == pytest.approx(6.0)
+    assert hr["ratio"] == pytest.approx(6.0 / 30.0)
+    pb = rep["paired_basis"]["grpo8_wide"]
+    assert pb["final_accuracy_diff"] == pytest.approx({"0": 0.1, "1": -0.1}) and pb["mean_diff"] == pytest.approx(0.0)
+    md = (out / "learning.md").read_text()
+    assert "| basis | 2.00 s (2/2) | 4.00 s (2/2) | - (0/2) |" in md
+    assert "basis reaches grpo8_wide's final accuracy 0.700 after 6.00 s" in md and "0.20x" in md
+    assert "basis minus grpo8_wide: final accuracy +0.000" in md
+
+
+def test_thresholds_are_checked(mod, capsys):
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--thresholds", "0.5,1.5"])
+    assert "--thresholds" in capsys.readouterr().err
