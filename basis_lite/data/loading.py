@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
+from ..safeio import read_json
 from .example import Example
 from .rows import (
     Row,
@@ -111,7 +112,7 @@ def _arrow_files(path: Path) -> list[Path]:
         return [path]
     if (path / "dataset_dict.json").is_file():
         try:
-            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits") or []
+            splits = read_json(path / "dataset_dict.json").get("splits") or []
         except (OSError, ValueError, AttributeError):
             splits = []
         example = path / (splits[0] if splits else "train")
@@ -119,7 +120,7 @@ def _arrow_files(path: Path) -> list[Path]:
                         f"{', '.join(map(str, splits)) or 'unknown'}); point data.dataset at one split's folder, "
                         f"e.g. {str(example)!r} (one split is divided into train and eval like a file)")
     try:
-        state = json.loads((path / "state.json").read_text())
+        state = read_json(path / "state.json")
         files = [path / str(f["filename"]) for f in state.get("_data_files") or []]
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         files = []
