@@ -789,8 +789,9 @@ def aggregate(per_seed: dict[str, dict], arm_order: list[str]) -> dict[str, dict
     return out
 
 
-# basis against the arms users would pick instead of it (besides PAIR_BASE's reinforce_pp): reported as "basis minus X"
-BASIS_VS = ("grpo8", "rloo2", "grpo8_wide", "basis_mix", "basis_value")
+# basis against the other arms users would pick instead of it, reported as "basis minus X" (PAIR_BASE pairs basis
+# with reinforce_pp, and grpo8_wide, basis_mix and basis_value with basis already)
+BASIS_VS = ("grpo8", "rloo2")
 
 
 def _paired_diff(per_seed: dict[str, dict], arm: str, base: str) -> dict | None:

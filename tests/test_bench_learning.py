@@ -250,7 +250,8 @@ def test_time_to_accuracy_and_basis_against_grpo_at_equal_prompts(mod, tmp_path)
                                ("1", [0.2, 0.4, 0.6, 0.7], [0.2, 0.5, 0.6, 0.8])):
         _fake_run(runs / f"seed{sd}" / "basis", [(1.0, 1.0)] * 3, b_accs, None)
         _fake_run(runs / f"seed{sd}" / "grpo8_wide", [(4.0, 6.0)] * 3, w_accs, None)
-    assert mod.main(["--preset", "smoke", "--arms", "basis,grpo8_wide", "--seeds", "0", "1", "--out", str(out),
+        _fake_run(runs / f"seed{sd}" / "grpo8", [(0.5, 0.5)] * 3, [0.2, 0.3, 0.4, 0.5], None)
+    assert mod.main(["--preset", "smoke", "--arms", "basis,grpo8_wide,grpo8", "--seeds", "0", "1", "--out", str(out),
                      "--runs", str(runs), "--analyze-only", "--thresholds", "0.45,0.6,0.75"]) == 0
     rep = json.loads((out / "learning.json").read_text())
     tta = rep["time_to_accuracy"]
@@ -264,12 +265,17 @@ def test_time_to_accuracy_and_basis_against_grpo_at_equal_prompts(mod, tmp_path)
     hr = tta["basis_reaches"]["grpo8_wide"]
     assert hr["accuracy"] == pytest.approx(0.7) and hr["clock_s"] == pytest.approx(6.0)
     assert hr["ratio"] == pytest.approx(6.0 / 30.0)
-    pb = rep["paired_basis"]["grpo8_wide"]
-    assert pb["final_accuracy_diff"] == pytest.approx({"0": 0.1, "1": -0.1}) and pb["mean_diff"] == pytest.approx(0.0)
+    assert tta["basis_reaches"]["grpo8"]["clock_s"] == pytest.approx(4.0)  # grpo8's final 0.5: basis at step 2
+    assert tta["basis_reaches"]["grpo8"]["ratio"] == pytest.approx(4.0 / 3.0)
+    pw = rep["paired"]["grpo8_wide"]  # PAIR_BASE: grpo8_wide minus basis
+    assert pw["vs"] == "basis" and pw["final_accuracy_diff"] == pytest.approx({"0": -0.1, "1": 0.1})
+    assert set(rep["paired_basis"]) == {"grpo8"}
+    pb = rep["paired_basis"]["grpo8"]
+    assert pb["final_accuracy_diff"] == pytest.approx({"0": 0.2, "1": 0.2}) and pb["clock_ratio"] == pytest.approx(2.0)
     md = (out / "learning.md").read_text()
     assert "| basis | 2.00 s (2/2) | 4.00 s (2/2) | - (0/2) |" in md
     assert "basis reaches grpo8_wide's final accuracy 0.700 after 6.00 s" in md and "0.20x" in md
-    assert "basis minus grpo8_wide: final accuracy +0.000" in md
+    assert "basis minus grpo8: final accuracy +0.200 +- 0.000 (SE over 2 seeds)" in md
 
 
 def test_thresholds_are_checked(mod, capsys):
