@@ -181,8 +181,14 @@ def _probe_cache_key(flags: tuple[str, ...]) -> str:
     with contextlib.suppress(OSError):
         model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                       if ln.startswith("model name")), "")
+    # Kernel-ISA caps (set to emulate an older CPU, or by a user working around a kernel bug) change which
+    # kernels run, so a timing taken without them does not hold with them.
+    caps = ",".join(f"{k}={os.environ[k]}" for k in ISA_CAP_VARS if os.environ.get(k))
     return (f"{model or platform.processor()}|{'/'.join(flags)}|{os.cpu_count()} cpus|{torch.get_num_threads()} "
-            f"threads|torch {torch.__version__}|probe v{STEP_PROBE['version']}")
+            f"threads|torch {torch.__version__}|probe v{STEP_PROBE['version']}" + (f"|{caps}" if caps else ""))
+
+
+ISA_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 DTYPE_CHECK_FILE = "cpu-dtype-check.json"  # in the cache folder: one whole-step measurement per machine key

@@ -123,3 +123,17 @@ def test_training_attention_is_eager_for_bf16_on_the_cpu_only_and_gives_the_same
     assert model.config._attn_implementation == "sdpa"  # restored: generation keeps its kernel
     m = plain.mask
     assert torch.allclose(plain.logprobs[m], switched.logprobs[m], atol=0.05 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_probe_cache_key_changes_with_kernel_isa_caps(monkeypatch):
+    """A timing taken with every kernel the CPU offers must not be reused under ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY
+    caps (how an AVX2-only CPU is emulated on a newer one): the cache key names the caps."""
+    for var in dtypes.ISA_CAP_VARS:
+        monkeypatch.delenv(var, raising=False)
+    plain = dtypes._probe_cache_key(("avx512_bf16",))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    capped = dtypes._probe_cache_key(("avx512_bf16",))
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    both = dtypes._probe_cache_key(("avx512_bf16",))
+    assert len({plain, capped, both}) == 3
+    assert capped.endswith("ONEDNN_MAX_CPU_ISA=AVX2") and "ATEN_CPU_CAPABILITY=avx2" in both
