@@ -30,10 +30,16 @@ number of recorded samples. ``basis:<v>`` rows are ``BASIS_VARIANTS[v]`` (bench/
 are candidate estimators that are not (yet) in ``basis_lite/estimators`` (see the table header in value_mse.md). ``group_mean_G*_emp`` rows are the same estimators resampled empirically (a check; only
 where enough samples were recorded).
 
+``basis:mix@K0`` is BASIS with ``estimator.options: {mix: true}`` (no prior), which learns across steps (its parts'
+errors, a value tracker, a probe on a replay buffer): it is scored on simulated runs instead (``run_mix_streams``),
+with REINFORCE++ on the same rows as its reference.
+
 Per-prompt MSEs are averaged over resamples and then over prompts; ratios to REINFORCE++ carry a paired bootstrap
 90% interval over prompts.
 
     python bench/value_mse.py                         # all bench/results/rollouts_*.npz -> value_mse.{json,md,png}
+    python bench/value_mse.py bench/results/rollouts_arithmetic_default.npz \
+        --out bench/results/value-mse-default/value_mse      # the default preset's task, a policy mid-training
     python bench/value_mse.py --resamples 50 --ks 2 4 8 --batch-sizes 32 64 128 256
 
 Online probes on real training trajectories (``bench/record_trajectories.py`` recordings; protocol in
@@ -65,14 +71,21 @@ RESULTS = ROOT / "bench" / "results"
 import torch  # noqa: E402
 from basis_variants import BASIS_VARIANTS  # noqa: E402
 
+from basis_lite.estimators import EstimatorContext  # noqa: E402
 from basis_lite.estimators.basis import basis_baseline  # noqa: E402
 from basis_lite.estimators.basis_blocks import calibrate_shift, calibrated_values, similarity_pool  # noqa: E402
+from basis_lite.estimators.basis_mix import basis_mix, make_state  # noqa: E402
 from basis_lite.estimators.basis_options import BASIS_DEFAULTS  # noqa: E402
+from basis_lite.estimators.probe import ReplayBuffer  # noqa: E402
+from basis_lite.estimators.probe_options import mix_replay_capacity  # noqa: E402
 from basis_lite.priors import PSEUDO_COUNT, prior_values  # noqa: E402
 
 GROUP_SIZES = (2, 4, 8)
 TARGET_RATIO = 0.31  # issue: BASIS MSE <= 0.31x REINFORCE++ (the paper's "69% lower")
-KEY_ROWS = ("reinforce_pp", "basis:loo_mean", "group_mean_G2", "group_mean_G4", "group_mean_G8", "rloo_G8")
+KEY_ROWS = ("reinforce_pp", "basis:default@K0", "basis:mix@K0", "basis:loo_mean", "group_mean_G2", "group_mean_G4",
+            "group_mean_G8", "rloo_G8")
+MIX_OPTIONS = {"mix": True}  # estimator.options of the mix row (its other settings: BASIS_DEFAULTS)
+MIX_STREAM_STEPS = 20  # steps per simulated run of the mix (the first half warms its state up, the second is scored)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -89,18 +102,25 @@ class Family:
 
 
 def load_recordings(paths: list[str]) -> dict[str, Family]:
-    """Families from recording files; files of one family are concatenated (prompts must differ)."""
+    """Families from recording files, keyed by their label (``record_rollouts.py --label``, by default the file name
+    after ``rollouts_``; the task family for older recordings); files of one label are concatenated (prompts must
+    differ)."""
     fams: dict[str, Family] = {}
     for path in sorted(paths):
         with np.load(path) as z:
             meta = json.loads(str(z["meta"]))
             arrays = {k: z[k] for k in z.files if k != "meta"}
-        fam = meta["family"]
+        fam = meta.get("label") or meta["family"]  # record_rollouts.py --label (recordings before it: the family)
         pols = {}
-        for name in meta["policies"]:
+        for name, pm in meta["policies"].items():
+            if pm.get("done", meta["n_prompts"]) < meta["n_prompts"]:
+                print(f"note: {path}: policy {name} is unfinished ({pm['done']}/{meta['n_prompts']} prompts); left "
+                      "out", file=sys.stderr)
+                continue
             pols[name] = (arrays[f"{name}_rewards"].astype(np.uint8), arrays[f"{name}_features"].astype(np.float32))
         summary = {"file": str(Path(path).resolve().relative_to(ROOT)) if Path(path).resolve().is_relative_to(ROOT)
-                   else str(path), "family": fam, "levels": meta.get("levels"), "n_prompts": meta["n_prompts"],
+                   else str(path), "family": meta["family"], "label": fam, "levels": meta.get("levels"),
+                   "n_prompts": meta["n_prompts"],
                    "offset": meta.get("offset", 0), "policies": meta["policies"], "dtype": meta.get("dtype"),
                    "device": meta.get("device", "cpu"), "threads": meta.get("threads"),
                    "max_new_tokens": meta.get("max_new_tokens"), "recorded_at": meta.get("recorded_at"),
@@ -361,6 +381,91 @@ def run_scenario(sc: Scenario, specs: list[dict], batch_sizes: list[int], resamp
     return res
 
 
+def base_id(i: str) -> str:
+    """The question's id of a recorded prompt: ``record_rollouts.py`` records a revisited question as ``ID#k``."""
+    return str(i).split("#", 1)[0]
+
+
+def run_mix_streams(sc: Scenario, B: int, resamples: int, rng: np.random.Generator,
+                    options: dict | None = None, steps: int = MIX_STREAM_STEPS) -> dict | None:
+    """BASIS with ``mix: true`` (basis_lite/estimators/basis_mix.py), which learns across steps, on simulated runs.
+
+    A run draws its batches as the trainer's ``PromptSampler`` does (consecutive B prompts of a fresh permutation
+    each epoch) and gives a prompt, at its c-th draw, the c-th of a random order of its policy samples; the mix
+    carries its state (parts' errors, value tracker, replay buffer for the probe) from step to step exactly as the
+    trainer does (``observe`` and ``ReplayBuffer.add`` after the baselines), with the tracker keyed by the question
+    (a revisited question, ``ID#k``, is the same prompt to it, as in training). Truth: the prompt's samples no step
+    has used so far (so nothing the tracker or the probe saw); the steps are limited so that at least 2 remain. The
+    first half of each run's steps warms the state up, the second half is scored, with REINFORCE++'s batch mean and
+    the plain default (``basis:default@K0``) scored on the same rows: the mix's ratio is to that REINFORCE++.
+    ``None`` when the recording has too few samples for a run of at least 2 steps. No prior (K = 0), as the
+    default preset. The policy is fixed here: in training it drifts, which ages the tracker's counts."""
+    opts = dict(MIX_OPTIONS if options is None else options)
+    pol_all = (sc.ref if sc.shared else sc.pol).astype(np.float64)  # shared: every reference sample is a policy one
+    N, M = pol_all.shape
+    L = min(steps, (M - 2) * N // B)
+    if L < 2:
+        return None
+    warm = L // 2
+    n_runs = max(2, math.ceil(resamples / (L - warm)))
+    feats_t = torch.as_tensor(sc.feats, dtype=torch.float32)
+    names = ("basis:mix@K0", "reinforce_pp", "basis:default@K0", "basis:loo_mean")
+    raw = {n: np.zeros(N) for n in names}
+    noise = {n: np.zeros(N) for n in names}
+    count = np.zeros(N)
+    weights = []
+    t0 = time.time()
+    for _ in range(n_runs):
+        state = make_state(opts)
+        cap = mix_replay_capacity(opts)
+        replay = ReplayBuffer(cap) if cap else None
+        col_order = np.argsort(rng.random((N, M)), axis=1)
+        uses = np.zeros(N, dtype=int)
+        order = np.concatenate([rng.permutation(N) for _ in range(math.ceil(L * B / N) + 1)])
+        for t in range(L):
+            idx = order[t * B:(t + 1) * B]
+            cols = np.empty(B, dtype=int)
+            for j, i in enumerate(idx):  # a prompt drawn twice in one batch (epoch boundary) takes two samples
+                cols[j] = col_order[i, uses[i]]
+                uses[i] += 1
+            r = pol_all[idx, cols]
+            ids = [base_id(sc.ids[i]) for i in idx]
+            f_t = feats_t[idx]
+            rew = torch.as_tensor(r, dtype=torch.float32).view(B, 1)
+            ctx = EstimatorContext(prompt_ids=ids, features=f_t, replay=replay, options=opts, state=state)
+            _, b_mix = basis_mix(rew, ctx, state)
+            if t >= warm:
+                # truth: the samples of each prompt that no step of this run used (this batch's included)
+                used = np.ones((B, M), dtype=bool)
+                for j, i in enumerate(idx):
+                    used[j, col_order[i, uses[i]:]] = False
+                pol = pol_all[idx]
+                r_t = torch.as_tensor(r)
+                rows = {"basis:mix@K0": b_mix.double().view(-1).numpy(), "reinforce_pp": np.full(B, r.mean()),
+                        "basis:default@K0": basis_baseline(r_t, None, f_t.double()).numpy(),
+                        "basis:loo_mean": basis_baseline(r_t, None, None, **BASIS_VARIANTS["loo_mean"]).numpy()}
+                for n, b in rows.items():
+                    e_raw, e_noise = _sq_err(b, pol, used)
+                    np.add.at(raw[n], idx, e_raw)
+                    np.add.at(noise[n], idx, e_noise)
+                np.add.at(count, idx, 1)
+                weights.append(dict(state.weights))
+            state.observe(t, ids, rew)
+            if replay is not None:
+                replay.add(t, ids, rew, f_t)
+    seen = count > 0
+    per = {n: (raw[n][seen] - noise[n][seen]) / count[seen] for n in names}
+    per_raw = {n: raw[n][seen] / count[seen] for n in names}
+    per_noise = {n: noise[n][seen] / count[seen] for n in names}
+    out = _summarise(per, per_raw, per_noise, rng, n_runs * (L - warm), time.time() - t0)
+    cell = out["basis:mix@K0"]
+    cell["stream"] = {"runs": n_runs, "steps": L, "scored_from_step": warm, "options": opts,
+                      "mean_weights": {k: float(np.mean([w[k] for w in weights])) for k in weights[0]},
+                      **{f"{n}_mse_same_rows": out[n]["mse"] for n in names[1:]},
+                      **{f"{n}_ratio_same_rows": out[n]["ratio"] for n in names[2:]}}
+    return cell
+
+
 def _summarise(per_prompt, per_raw, per_noise, rng, R, seconds, n_boot=400) -> dict:
     base = per_prompt["reinforce_pp"]
     n = base.size
@@ -410,7 +515,12 @@ def markdown(report: dict) -> str:
              "reward of the prompt and no reference prior. Every MSE has the truth noise (reported per scenario) "
              "subtracted. `<family>/ref` scenarios are the no-drift case (policy = reference: each prompt's "
              "reference samples are split at random, per resample, into prior samples and policy samples; the "
-             "counts are in the scenario lines).", ""]
+             "counts are in the scenario lines). `basis:mix@K0` = `estimator.options: {mix: true}` "
+             "(basis_lite/estimators/basis_mix.py), which learns across steps: scored on simulated runs of "
+             f"{report['settings'].get('mix_steps', MIX_STREAM_STEPS)} steps (fewer where a prompt would run out of "
+             "samples) whose batches are drawn as the "
+             "trainer draws them, its state carried from step to step, the second half of each run scored; its "
+             "ratio is to REINFORCE++ on the same rows (`run_mix_streams`).", ""]
     for m in report["recordings"]:
         pols = ", ".join(f"{k}: {v['samples']}/prompt at T={v['temperature']} ({v.get('seconds', 0):.0f} s, mean reward "
                          f"{v.get('mean_reward', float('nan')):.3f})" for k, v in m["policies"].items())
@@ -430,6 +540,21 @@ def markdown(report: dict) -> str:
             c = scen[sk]["results"][B].get(n)
             cells.append("" if c is None else f"{_fmt(c['mse'])} ({_fmt(c['ratio'], 2)})")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    mix = [(sk, B, r["basis:mix@K0"]) for sk, s in scen.items() for B, r in s["results"].items() if "basis:mix@K0" in r]
+    if mix:
+        lines += ["", "## BASIS mix on simulated runs", "",
+                  "Per cell: runs x steps (scored from step), MSE ratio to REINFORCE++ of the mix, of the plain "
+                  "default and of the leave-one-out mean on the same rows, and the mix's mean weights on the scored "
+                  "steps.", "",
+                  "| cell | runs x steps (scored from) | mix | basis:default@K0 | basis:loo_mean | mean weights |",
+                  "|---|---|---|---|---|---|"]
+        for sk, B, c in mix:
+            st = c["stream"]
+            w = ", ".join(f"{k} {v:.2f}" for k, v in st["mean_weights"].items())
+            lines.append(f"| {sk} B={B} | {st['runs']} x {st['steps']} ({st['scored_from_step']}) | "
+                         f"{_fmt(c['ratio'], 2)} [{_fmt(c['ratio_ci90'][0], 2)}, {_fmt(c['ratio_ci90'][1], 2)}] | "
+                         f"{_fmt(st['basis:default@K0_ratio_same_rows'], 2)} | "
+                         f"{_fmt(st['basis:loo_mean_ratio_same_rows'], 2)} | {w} |")
     t = report["targets"]
     lines += ["", "## Targets", "", f"Default tested: `{t['default_spec']}`", ""]
     for k, v in t["checks"].items():
@@ -618,7 +743,9 @@ def k_curve(report: dict, ks: list[int]) -> dict:
 
 
 def analyse(paths: list[str], batch_sizes: list[int], resamples: int, ks: list[int], seed: int,
-            variants: list[str] | None = None, default_k: int | None = None, command: str = "") -> dict:
+            variants: list[str] | None = None, default_k: int | None = None, command: str = "",
+            mix_steps: int = MIX_STREAM_STEPS) -> dict:
+    with_mix = variants is None or "mix" in variants
     t0 = time.time()
     fams = load_recordings(paths)
     specs = estimator_specs(ks, variants)
@@ -629,6 +756,11 @@ def analyse(paths: list[str], batch_sizes: list[int], resamples: int, ks: list[i
         N = sc.pol.shape[0]
         Bs = sorted({min(B, N) for B in batch_sizes if B <= N} | ({N} if max(batch_sizes) > N else set()))
         res = run_scenario(sc, specs, Bs, resamples, rng)
+        if with_mix:
+            for B in Bs:
+                cell = run_mix_streams(sc, B, resamples, rng, steps=mix_steps)
+                if cell is not None:
+                    res[B]["basis:mix@K0"] = cell
         pol_cols = sc.ref if sc.shared else sc.pol
         pm = pol_cols.mean(1)
         mm = pol_cols.shape[1]
@@ -648,7 +780,7 @@ def analyse(paths: list[str], batch_sizes: list[int], resamples: int, ks: list[i
     report = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command,
               "settings": {"batch_sizes": batch_sizes, "resamples_at_B32": resamples,
                            "resamples_rule": "R(B) = max(min(10, resamples), ceil(resamples * 32 / min(B, N)))", "ks": ks,
-                           "seed": seed, "pseudo_count": PSEUDO_COUNT, "group_sizes": list(GROUP_SIZES),
+                           "seed": seed, "mix_steps": mix_steps, "pseudo_count": PSEUDO_COUNT, "group_sizes": list(GROUP_SIZES),
                            "target_ratio": TARGET_RATIO, "basis_defaults": {k: (list(v) if isinstance(v, tuple) else v)
                                                                             for k, v in BASIS_DEFAULTS.items()},
                            "mse": "truth-noise corrected (unbiased); mse_raw and truth_noise in every cell"},
@@ -659,7 +791,7 @@ def analyse(paths: list[str], batch_sizes: list[int], resamples: int, ks: list[i
         default_k = max(ks) if ks else 0
     report["targets"] = evaluate_targets(report, default_k, ks)
     report["k_curve"] = k_curve(report, ks)
-    report["plot_rows"] = [n for n in ["reinforce_pp", "basis:loo_mean", "basis:default@K0",
+    report["plot_rows"] = [n for n in ["reinforce_pp", "basis:loo_mean", "basis:default@K0", "basis:mix@K0",
                                        *(f"basis:default@K{k}" for k in ks), "basis:features_fixed",
                                        *(f"x:features_toward_prior_l8@K{k}" for k in ks), "history_raw",
                                        "group_mean_G2", "group_mean_G4", "group_mean_G8", "rloo_G8"] if n]
@@ -684,6 +816,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", type=int, nargs="*", default=[2, 4, 8], help="prior sizes K (reference samples)")
     ap.add_argument("--default-k", type=int, default=None, help="K of the default checked against the targets")
     ap.add_argument("--variants", nargs="*", default=None, help="subset of BASIS_VARIANTS (+ default_nofeat, history)")
+    ap.add_argument("--mix-steps", type=int, default=MIX_STREAM_STEPS,
+                    help="steps per simulated run of the basis:mix row (the second half scored)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "value_mse"), help="output prefix (.json, .md, .png)")
     ap.add_argument("--no-plot", action="store_true")
@@ -704,7 +838,8 @@ def main(argv=None) -> int:
     paths = a.recordings or sorted(glob.glob(str(RESULTS / "rollouts_*.npz")))
     if not paths:
         raise SystemExit("no recordings: run bench/record_rollouts.py first")
-    report = analyse(paths, a.batch_sizes, a.resamples, a.ks, a.seed, a.variants, a.default_k, cmd.strip())
+    report = analyse(paths, a.batch_sizes, a.resamples, a.ks, a.seed, a.variants, a.default_k, cmd.strip(),
+                     a.mix_steps)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     md = markdown(report)
