@@ -75,7 +75,8 @@ def push_groups(model, packed: dict[str, list[str]]) -> list[tuple[str, list[tor
     LoRA-wrapped weight. `packed` is the vLLM model's packed_modules_mapping ({fused: [part, ...]})."""
     owner = {part: fused for fused, parts in packed.items() for part in parts}
     by_name = dict(model.named_modules())
-    peft_name = {vllm_module_name(n): n for n in by_name}
+    # a LoRA layer and its `.base_layer` get the same vLLM name: keep the LoRA layer (it holds the adapter)
+    peft_name = {vllm_module_name(n): n for n in by_name if not n.endswith(".base_layer")}
     groups, seen = [], set()
     for name, _ in lora_modules(model):
         parent, _, leaf = name.rpartition(".")
