@@ -148,14 +148,16 @@ def pytest_addoption(parser):
 
 
 def trainer_logprobs(model, tok, rolls, temperature):
-    """The trainer's re-scoring of rollouts: each completion token's log-prob at `temperature` (a list of tensors)."""
+    """The trainer's re-scoring of rollouts: each completion token's log-prob at `temperature` (a list of tensors),
+    with the update's attention kernel (models.training_attention: eager for a bf16 model on the CPU)."""
     import torch
 
     from basis_lite.losses import sequence_logprobs
+    from basis_lite.models import training_attention
     from basis_lite.update import pack_sequences
 
     ids, attn, cmask = pack_sequences(rolls, 512, tok.pad_token_id)
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), training_attention(model):
         lp = sequence_logprobs(model, ids, attn, cmask, temperature=temperature).logprobs
     return [lp[i, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.completion_ids)] for i, r in enumerate(rolls)]

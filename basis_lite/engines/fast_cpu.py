@@ -14,8 +14,11 @@ optimizer step without a sync); the base weights are only read, never written. E
 output head are the base model's own tensors. The extra memory is `extra_bytes`.
 
 Forward. A plain Llama decoder step written with torch ops (RMSNorm and rotary embeddings are the model's own
-modules), attention through scaled_dot_product_attention in float32 (also over a 16-bit base) over a per-call
-cache [layers][k|v][rows, kv heads, slots, head dim] sized for the longest prompt plus max_new_tokens. Slot layout of a row:
+modules) over a per-call cache [layers][k|v][rows, kv heads, slots, head dim] sized for the longest prompt plus
+max_new_tokens. Over a float32 base: a float32 cache and scaled_dot_product_attention. Over a 16-bit base: the cache
+in the base dtype and attention as the trainer computes it there (transformers' eager kernel,
+models.training_attention: 16-bit matmuls, softmax in float32), so the behaviour log-probs follow the trainer's
+re-scoring more closely (mean |difference| about halved in bf16) and the cache is half the size. Slot layout of a row:
 
     [shared prefix (P) | its prompt suffix, right-aligned in S slots (masked gap on its left) | generated tokens]
 
@@ -118,6 +121,8 @@ class FastDecoder:
         self.scaling = a0.scaling
         self.dtype = lora_parts(a0.q_proj)[0].weight.dtype  # the compute dtype: the base's
         self.merged = self.dtype == torch.float32
+        # over a 16-bit base: keys/values in the base dtype and attention as the trainer's eager kernel computes it
+        self.attend_16 = not self.merged
         # float32: oneDNN's inner product on pre-converted weights, at decode's few rows faster than F.linear (not so
         # for bf16, measured: bench/results/generation.md)
         self.packed = packed and self.merged and torch.backends.mkldnn.is_available()
@@ -224,8 +229,7 @@ class FastDecoder:
             kc, vc = cache[li]
             kc[:b, :, slot0:end] = k
             vc[:b, :, slot0:end] = v
-            a = F.scaled_dot_product_attention(q.float(), kc[:b, :, :end], vc[:b, :, :end], attn_mask=mask,
-                                               scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
+            a = self._attend(q, kc[:b, :, :end], vc[:b, :, :end], mask)
             h = h + o_g(a.transpose(1, 2).reshape(b, t, nq).to(self.dtype))
             x = layer.post_attention_layernorm(h)
             gu = gu_g(x)
@@ -234,6 +238,22 @@ class FastDecoder:
             if li == feature_layer:
                 feat = h
         return self.body.norm(h), feat
+
+    def _attend(self, q, k, v, mask):
+        """q [b, heads, t, d], k/v [b, kv heads, n, d], boolean mask [b, 1, t, n] -> [b, heads, t, d]."""
+        if not self.attend_16:
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=self.scaling,
+                                                  enable_gqa=self.n_kv != self.n_heads)
+        # transformers' eager attention (the trainer's kernel over a 16-bit base on the CPU, models.training_attention):
+        # scores and output through 16-bit matmuls, the softmax in float32 rounded back to the base dtype. Query head
+        # h reads kv head h // (heads / kv heads), so the rep heads of a group stack into one matmul's rows.
+        b, H, t, d = q.shape
+        rep = H // self.n_kv
+        s = torch.matmul(q.reshape(b, self.n_kv, rep * t, d), k.transpose(-1, -2)) * self.scaling
+        m = mask if rep == 1 else mask.unsqueeze(2).expand(b, 1, rep, t, mask.shape[-1]).reshape(b, 1, rep * t, -1)
+        s = s.masked_fill(~m, float("-inf"))
+        p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(p, v).view(b, H, t, d)
 
     def _logits(self, h):
         return self.head(h).float()
@@ -253,10 +273,9 @@ class FastDecoder:
         P = _common_prefix(rows, max(0, min(len(r) for r in rows) - min_suffix))
         S = max(len(r) for r in rows) - P
         slots = P + S + max_new_tokens
-        # float32 keys and values for every base dtype: CPU attention over bf16 runs several times slower, and
-        # computes in float32 inside anyway
-        cache = [(torch.empty(B, self.n_kv, slots, self.head_dim), torch.empty(B, self.n_kv, slots, self.head_dim))
-                 for _ in self.layers]
+        kv_dtype = self.dtype if self.attend_16 else torch.float32
+        cache = [(torch.empty(B, self.n_kv, slots, self.head_dim, dtype=kv_dtype),
+                  torch.empty(B, self.n_kv, slots, self.head_dim, dtype=kv_dtype)) for _ in self.layers]
         valid = torch.zeros(B, slots, dtype=torch.bool)
         valid[:, :P] = True
         if P:  # the shared prefix once, at batch 1, copied into every row
