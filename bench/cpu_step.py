@@ -27,8 +27,10 @@ of torch's own kernels, oneDNN and MKL (e.g. at AVX2 on an AVX-512 CPU). The run
 and memory bandwidth), not a measurement of another machine.
 
 Peak. At start, square-ish GEMMs typical of the model (4096x576 @ 576x1536: an MLP projection over a micro-batch of
-tokens; and 2048^3) in each dtype measured (float32, bfloat16), each in two weight layouts: `a@b`, a contiguous [K, N] right operand,
-and `a@w.T`, an [N, K] weight as nn.Linear stores it (what the model runs). Torch's own thread count, one call to
+tokens; and 2048^3) in each dtype measured (float32, bfloat16), each in three weight layouts: `a@b`, a contiguous [K, N] right
+operand, `a@w.T`, an [N, K] weight as nn.Linear stores it (what the model runs), and `onednn`, that weight packed
+by oneDNN and applied by its inner product (what the fast engine runs in float32; on an AMD CPU MKL's float32 GEMM
+takes its AVX2 path, and only this one reaches the AVX-512 rate). Torch's own thread count, one call to
 warm up, then the best of up to --repeats + 2 calls (at most ~3 s of calls per GEMM; a GEMM that a smaller shape of
 the same dtype and layout predicts at over 10 s per call is skipped and marked so). The peak of a dtype is its best
 GFLOP/s; each part's "% peak" is relative to the peak of the dtype the model runs in (model.dtype).
@@ -132,7 +134,10 @@ if str(REPO) not in sys.path:
 
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
 PEAK_SHAPES = ((4096, 576, 1536), (2048, 2048, 2048))
-PEAK_LAYOUTS = ("a@b", "a@w.T")  # contiguous [K, N] right operand; nn.Linear's [N, K] weight, transposed
+# contiguous [K, N] right operand; nn.Linear's [N, K] weight, transposed; that weight packed by oneDNN and applied
+# by its inner product (as engines/fast_cpu.py runs float32): on some CPUs (AMD, where MKL's sgemm takes its AVX2
+# path) the only float32 GEMM that reaches the AVX-512 rate
+PEAK_LAYOUTS = ("a@b", "a@w.T", "onednn")
 PEAK_DTYPES = ("float32", "bfloat16")
 PEAK_SKIP_S = 10.0  # skip a GEMM predicted to take longer than this per call
 PEAK_BUDGET_S = 3.0  # stop repeating a GEMM after this many seconds of timed calls
@@ -611,7 +616,9 @@ def render_markdown(doc: dict) -> str:
                                     [[g["dtype"], "x".join(map(str, g["shape"])), g["layout"],
                                       _fmt(g.get("gflops"), ".1f"), g.get("note", "")] for g in last["peak"]["gemms"]]))
         lines.append("")
-    lines += ["`a@b`: contiguous [K, N] right operand; `a@w.T`: an [N, K] weight as nn.Linear stores it.", "",
+    lines += ["`a@b`: contiguous [K, N] right operand; `a@w.T`: an [N, K] weight as nn.Linear stores it (torch's "
+              "matmul: MKL in float32, oneDNN in bf16); `onednn`: that weight packed by oneDNN, its inner product "
+              "(what the fast engine runs in float32). The peak of a dtype is its best row.", "",
               "## Step summary", "", markdown_table(SUMMARY_COLUMNS, step_summary(doc)), ""]
     tl = target_lines(doc)
     if tl:
@@ -689,12 +696,20 @@ def measure_peak(dtypes=PEAK_DTYPES, shapes=PEAK_SHAPES, layouts=PEAK_LAYOUTS, r
                                    f"the smaller shape")
                     gemms.append(rec)
                     continue
+                if layout == "onednn" and not torch.backends.mkldnn.is_available():
+                    rec["note"] = "skipped: torch built without oneDNN"
+                    gemms.append(rec)
+                    continue
                 g = torch.Generator().manual_seed(0)
                 lhs = torch.randn(m, k, generator=g).to(dt)
                 rhs = torch.randn(*((k, n) if layout == "a@b" else (n, k)), generator=g).to(dt)
+                if layout == "onednn":  # both operands converted once, outside the timed calls
+                    lhs, rhs = lhs.to_mkldnn(), rhs.to_mkldnn()
 
-                def fn(x=lhs, w=rhs, transposed=layout != "a@b"):
-                    return x @ w.T if transposed else x @ w
+                def fn(x=lhs, w=rhs, layout=layout):
+                    if layout == "onednn":
+                        return torch._C._nn.mkldnn_linear(x, w, None)
+                    return x @ w.T if layout == "a@w.T" else x @ w
                 t0 = time.perf_counter()
                 fn()  # warm-up
                 warm = time.perf_counter() - t0
