@@ -574,7 +574,8 @@ def memory_breakdown(baseline_mb: float, weights_mb: float, lora_mb: float, opti
 
 def render_markdown(doc: dict) -> str:
     runs = doc["runs"]
-    latest = max(runs, key=lambda r: r.get("created", ""))
+    # the header describes the machine as it is: the latest run without capped kernels, if there is one
+    latest = max([r for r in runs if not r.get("kernel_caps")] or runs, key=lambda r: r.get("created", ""))
     m = latest["machine"]
     flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in m["cpu_flags"].items())
     lines = ["# One RL step on the CPU, by part (bench/cpu_step.py)", "",
@@ -586,9 +587,10 @@ def render_markdown(doc: dict) -> str:
              "of the repeats; other jobs shared the cores (load averages below), so absolute times carry that noise.",
              "", "## Runs", ""]
     lines.append(markdown_table(
-        ("engine", "dtype", "overrides", "gc", "created", "load avg start / end", "OMP_WAIT_POLICY", "peak GFLOP/s",
-         "command"),
-        [[r["engine"], r["dtype"], ", ".join(r.get("overrides") or []) or "-", ",".join(r["gc"]), r["created"],
+        ("engine", "dtype", "overrides", "kernels", "gc", "created", "load avg start / end", "OMP_WAIT_POLICY",
+         "peak GFLOP/s", "command"),
+        [[r["engine"], r["dtype"], ", ".join(r.get("overrides") or []) or "-",
+          caps_tag(r.get("kernel_caps")).strip(" []") or "as the CPU allows", ",".join(r["gc"]), r["created"],
           f"{r['machine']['loadavg_start']} / {r['machine'].get('loadavg_end')}",
           r["machine"].get("omp_wait_policy") or "(unset)", _fmt(r["peak"]["best"].get(r["dtype"]), ".1f"),
           f"`{r['command']}`"] for r in runs]))
@@ -607,14 +609,18 @@ def render_markdown(doc: dict) -> str:
         lines += [f"`model.dtype: auto` picks {', '.join(sorted(auto))} on this machine "
                   "(basis_lite.dtypes: the CPU flags and the cached whole-step check).", ""]
     for tag in [""] + list(capped):
-        of = [r for r in runs if caps_tag(r.get("kernel_caps")) == tag]
-        if not of:
+        gemms = []
+        for dt in PEAK_DTYPES:  # each dtype's GEMMs from the latest run of that dtype with these caps
+            of = [r for r in runs if caps_tag(r.get("kernel_caps")) == tag and r["dtype"] == dt]
+            if of:
+                last = max(of, key=lambda r: r.get("created", ""))
+                gemms += [g for g in last["peak"]["gemms"] if g["dtype"] == dt]
+        if not gemms:
             continue
-        last = max(of, key=lambda r: r.get("created", ""))
-        lines += [f"## Matmul peak{tag or ''} (latest run{' with these caps' if tag else ''})", ""]
+        lines += [f"## Matmul peak{tag} (latest run of each dtype{' with these caps' if tag else ''})", ""]
         lines.append(markdown_table(("dtype", "M x K x N", "layout", "GFLOP/s", "note"),
                                     [[g["dtype"], "x".join(map(str, g["shape"])), g["layout"],
-                                      _fmt(g.get("gflops"), ".1f"), g.get("note", "")] for g in last["peak"]["gemms"]]))
+                                      _fmt(g.get("gflops"), ".1f"), g.get("note", "")] for g in gemms]))
         lines.append("")
     lines += ["`a@b`: contiguous [K, N] right operand; `a@w.T`: an [N, K] weight as nn.Linear stores it (torch's "
               "matmul: MKL in float32, oneDNN in bf16); `onednn`: that weight packed by oneDNN, its inner product "
@@ -1478,7 +1484,8 @@ def main(argv=None) -> int:
         print(f"  {g['dtype']:9s} {'x'.join(map(str, g['shape'])):15s} {g['layout']:6s} "
               f"{_fmt(g.get('gflops'), '8.1f')} GFLOP/s {g.get('note', '')}", flush=True)
 
-    cmd = "python bench/cpu_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "".join(f"{k}={v} " for k, v in caps.items()) + "python bench/cpu_step.py " + \
+        " ".join(argv if argv is not None else sys.argv[1:])
     runs = []
     with tempfile.TemporaryDirectory(prefix="cpu-step-") as tmp:
         env = dict(os.environ)
