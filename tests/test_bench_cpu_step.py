@@ -1,6 +1,7 @@
-"""bench/cpu_step.py's pure parts: the FLOP formulas against a hand count, the rows' ratio math, the tables, the
-results merge, the CPU-flag parsing, and the prefill/decode accounting of its forward hooks on the tiny model.
-No timing is asserted."""
+"""bench/cpu_step.py's pure parts: the FLOP formulas against a hand count (the fast CPU engine's included), the rows'
+ratio math, the tables, the results merge, the CPU-flag parsing, the prefill/decode accounting of its forward hooks
+on the tiny model, and the fast engine's recorder against what its decoder computed there. No timing is
+asserted."""
 from __future__ import annotations
 
 import importlib.util
@@ -80,8 +81,8 @@ def test_memory_breakdown_adds_up_to_the_measured_peak(cs):
     parts = ("process baseline", "frozen weights", "LoRA weights + gradients", "AdamW moments",
              "activations saved for backward", "log-prob head working set", "allocator and other (update)")
     assert sum(by[k] for k in parts) == pytest.approx(2000.0)
-    doc = {"runs": [{"dtype": "float32", "overrides": [], "memory": rows}]}
-    assert ["float32", "peak: update", "2000", "measured"] in cs.memory_rows(doc)
+    doc = {"runs": [{"dtype": "float32", "engine": "fast", "overrides": [], "memory": rows}]}
+    assert ["float32", "fast", "peak: update", "2000", "measured"] in cs.memory_rows(doc)
 
 
 def test_cpu_flags_and_model(cs):
@@ -200,3 +201,129 @@ def test_vllm_generation_flops_by_hand(cs):
     assert f2["decode_tokens"] == 3
     one = cs.forward_flops
     assert f2["decode_flops"] == one(s, 1, 4, 1) + one(s, 1, 4, 1) + one(s, 1, 5, 1)
+
+
+def test_fast_generation_flops_by_hand(cs):
+    """Two rows of 5 and 3 prompt tokens sharing a 2-token prefix; completions of 3 and 1 tokens."""
+    s = cs.Shape.from_config(TINY)
+    f = cs.fast_generation_flops(s, [5, 3], 2, [3, 1], lora=0)
+    # prefix: 2 positions at batch 1, 2 x 2 attention pairs, no lm_head row
+    assert f["prefix_positions"] == 2 and f["prefix_calls"] == 1
+    assert f["prefix_flops"] == 2 * 73728 * 2 + 4 * 128 * 4 == 296960
+    # prompt: S = 5 - 2 = 3 suffix slots per row (the 1-token suffix padded to 3), each query over 2 + 3 slots
+    assert f["prompt_positions"] == 6 and f["prompt_tokens"] == 8
+    assert f["prompt_flops"] == 2 * 73728 * 6 + 4 * 128 * 6 * 5 + 2 * 16576 * 2 == 966400
+    # decode: row 0 runs 2 single-token steps over 6 and 7 slots; row 1 stopped after its first token: none
+    assert f["decode_positions"] == 2 and f["decode_calls"] == 2
+    assert f["decode_flops"] == 2 * 2 * 73728 + 4 * 128 * (6 + 7) + 2 * 2 * 16576 == 367872
+    # no shared prefix: no prefix pass, S = the longest prompt; LoRA beside the weights adds 2*R per position
+    g = cs.fast_generation_flops(s, [4, 2], 0, [2, 2], lora=100)
+    assert g["prefix_flops"] == 0 and g["prefix_calls"] == 0 and g["prompt_positions"] == 8
+    assert g["prompt_flops"] == cs.forward_flops(s, 8, 2 * 4 * 4, 2, 100)
+    assert g["decode_flops"] == 2 * cs.forward_flops(s, 1, 5, 1, 100)
+
+
+def test_fast_lora_width_and_merge_by_hand(cs):
+    s = cs.Shape.from_config(TINY)
+    # r=4, all linears, per layer: qkv 3*4*(64 + 64+32+32), o 4*(64+64), gate|up 2*4*(64 + 256), down 4*(128+64)
+    per_layer = 3 * 4 * 192 + 4 * 128 + 2 * 4 * 320 + 4 * 192
+    assert cs.fast_lora_width(s, 4) == 2 * per_layer == 2 * 6144
+    assert cs.fast_lora_width(s, 4) > s.lora_params(4)  # the block-diagonal B's zero blocks are multiplied too
+    # q and v only: one group of 2 adapted linears, whose fused output is still q|k|v
+    assert cs.fast_lora_width(s, 4, ["q_proj", "v_proj"]) == 2 * 2 * 4 * (64 + 128)
+    # merge W + s*B@A: 2*r*in*out per adapted linear = 2*r*P
+    assert cs.fast_merge_flops(s, 4) == 2 * 4 * 73728
+    assert cs.fast_merge_flops(s, 4, ["q_proj"]) == 2 * 4 * 2 * 64 * 64
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fast_recorder_matches_what_the_decoder_computed(cs, dtype):
+    """On the tiny model with LoRA: the recorder splits the fast engine's generate into the prefix, prompt and
+    decode forwards with the shapes `fast_generation_flops` counts (rows leaving the batch at different steps), and
+    the adapter width it assumes over a 16-bit base is the decoder's own buffers'. The wrappers come off after."""
+    import torch
+
+    from basis_lite.config import load_config
+    from basis_lite.engines.base import SamplingParams
+    from basis_lite.engines.fast_cpu import FastDecoder
+    from basis_lite.engines.hf import HFEngine
+    from basis_lite.models import load_policy
+
+    torch.set_num_threads(1)
+    dt = getattr(torch, dtype)
+    cfg = load_config("smoke", [f"model.dtype={dtype}", "model.max_seq_length=256"])
+    model, tok = load_policy(cfg, torch.device("cpu"), dt)
+    system = "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n"
+    prompts = [f"{system}<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+               for q in ("What is 1 + 2?", "Hi", "Compute 12 * 7, then add 5.")]
+    engine = HFEngine(model, tok, batch_size=16)
+    dec = engine.fast_decoder()
+    assert dec is not None, engine.fast_cpu_fallback
+    # per-prompt seeds: the same samples in both calls below, different ones across rows
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seeds=[11, 12, 13])
+    free = engine.generate(prompts, params)
+    # a token some rows sample early made a stop token: rows leave the batch at different steps
+    stop = max(sorted({t for r in free for t in r.completion_ids}),
+               key=lambda t: len({next((i for i, x in enumerate(r.completion_ids) if x == t), None) for r in free}))
+    engine.stop_ids = sorted({*engine.stop_ids, stop})
+    shape = cs.Shape.from_config(model.get_base_model().config)
+    lora_w = 0 if dec.merged else cs.fast_lora_width(shape, cfg.lora.r, cfg.lora.target_modules)
+    rec = cs.FastRecorder(dec)
+    try:
+        rolls = engine.generate(prompts, params)
+    finally:
+        rec.remove()
+    merge = cs.fast_merge_flops(shape, cfg.lora.r, cfg.lora.target_modules)
+    s = rec.summary(shape, lora_w, merge if dec.merged else 0.0)
+    lens = [len(r.completion_ids) for r in rolls]
+    assert len(set(lens)) > 1 and s["checked"]
+    assert s["generate_calls"] == 1 and rec.gens[0]["completion_lens"] == lens
+    P = rec.gens[0]["prefix"]
+    assert P >= len(tok(system, add_special_tokens=False).input_ids)
+    assert s["prefix"]["calls"] == 1 and s["prefix"]["positions"] == P
+    assert s["decode"]["calls"] == max(lens) - 1 and s["decode"]["positions"] == sum(c - 1 for c in lens)
+    # the FLOPs from the recorded shapes, call by call, equal the analytic count
+    calls = rec.gens[0]["calls"]
+    by_shape = sum(cs.forward_flops(shape, c["rows"] * c["new"], c["rows"] * c["new"] * (c["slot0"] + c["new"]),
+                                    c.get("head_rows", 0), lora_w) for c in calls)
+    assert by_shape == pytest.approx(s["prefix"]["flops"] + s["prompt"]["flops"] + s["decode"]["flops"], rel=1e-12)
+    assert s["weights"]["rebuilds"] == 1 and s["weights"]["flops"] == (merge if dec.merged else 0.0)
+    if not dec.merged:  # the fused adapter buffers the decoder multiplies, [A; A; ...] and block-diagonal s*B
+        dec.refresh(force=True)
+        per_pos = sum(g.lora[0].numel() + g.lora[1].numel() for e in dec.layers for g in e["groups"] if g.lora)
+        dec.release()
+        assert lora_w == per_pos
+    for name in ("refresh", "_forward", "_logits", "generate"):
+        assert name not in vars(dec)
+    import basis_lite.engines.fast_cpu as fmod
+
+    assert fmod._common_prefix.__name__ == "_common_prefix"
+    assert isinstance(dec, FastDecoder)
+
+
+def test_engines_caps_and_the_roofline_gap(cs):
+    assert cs.parse_engines("fast,hf,fast") == ["fast", "hf"]
+    with pytest.raises(SystemExit):
+        cs.parse_engines("turbo")
+    env = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "X": "1"}
+    caps = cs.kernel_caps(env)
+    assert set(caps) == set(cs.CAP_VARIABLES) and cs.caps_tag(caps) == " [kernels<=AVX2]" and cs.caps_tag({}) == ""
+    # a capped run of the same (engine, dtype) is kept beside the uncapped one; engines sort fast, hf, vllm
+    fast = _run(cs, "fast", "float32", 4.0, 200)
+    capped = dict(_run(cs, "fast", "float32", 6.0, 200), kernel_caps=caps)
+    doc = cs.merge_runs(None, [capped, _run(cs, "hf", "float32", 10.0, 200), fast])
+    assert [(r["engine"], bool(r.get("kernel_caps"))) for r in doc["runs"]] == [
+        ("fast", False), ("hf", False), ("fast", True)]
+    # the gap: gen total 4 s with 1 GFLOP at 10 GFLOP/s (0.1 s of roofline), train 4 s with 20 GFLOP (2 s)
+    rows = [cs.Row(variant="float32", engine="fast", dtype="float32", gc="-", part="gen decode", seconds=4.0,
+                   flops=1e9, peak_gflops=10.0),
+            cs.Row(variant="float32, gc off", engine="fast", dtype="float32", gc="off", part="train backward",
+                   seconds=4.0, flops=2e10, peak_gflops=10.0),
+            cs.Row(variant="float32, gc off", engine="fast", dtype="float32", gc="off", part="step total",
+                   seconds=8.0, flops=2.1e10, peak_gflops=10.0)]
+    one = {"runs": [{"engine": "fast", "rows": [r.to_dict() for r in rows]}]}
+    gaps = {r[2]: r for r in cs.gap_rows(one)}
+    assert gaps["gen decode"][7] == "3.90" and gaps["train backward"][7] == "2.00"
+    assert gaps["**step total**"][6] == "3.81" and gaps["**step total**"][7] == "5.90"
+    (line,) = cs.target_lines(one)
+    assert "**3.81x** (target 1.5x: not met)" in line and "largest gap is gen decode: 3.90 s" in line
