@@ -198,7 +198,9 @@ DTYPE_CHECK_FILE = "cpu-dtype-check.json"  # in the cache folder: one whole-step
 def cpu_bf16_check() -> Bf16Check:
     """Native-bf16 flags and the timing that confirms them (once per process; with the flags, once per machine).
 
-    With avx512_bf16/amx_bf16: `cpu_step_probe_ms` in bf16 and fp32 (seconds, the first time), stored in the cache
+    With avx512_bf16/amx_bf16: one linear layer in each dtype first; if bf16 is over SLOW_LINEAR times slower (its
+    matmuls are emulated after all), that decides; otherwise `cpu_step_probe_ms` in bf16 and fp32 (seconds, the
+    first time). Either is stored in the cache
     folder's cpu-dtype-check.json under a key of CPU model, flags, core and thread counts and torch version, and
     read from there afterwards. Without the flags bf16 is never picked: one linear layer in each dtype (well under a
     second) only sizes the slowdown an explicit bfloat16 is warned about.
@@ -214,15 +216,25 @@ def cpu_bf16_check() -> Bf16Check:
         stored = json.loads(path.read_text())
     if isinstance(stored.get(key), dict) and {"bfloat16", "float32"} <= set(stored[key]):
         rec = stored[key]
-        return Bf16Check(flags, float(rec["bfloat16"]["total"]), float(rec["float32"]["total"]), "step", True)
-    log.info("model.dtype=auto: timing a scaled-down training step in bf16 and fp32 on this CPU (once per machine)")
-    rec = {"bfloat16": cpu_step_probe_ms(torch.bfloat16), "float32": cpu_step_probe_ms(torch.float32)}
-    release_memory()  # the probe models' buffers: training never reuses them
+        return Bf16Check(flags, float(rec["bfloat16"]["total"]), float(rec["float32"]["total"]),
+                         "linear" if rec.get("probe") == "linear" else "step", True)
+    lin_bf16, lin_fp32 = _linear_ms(torch.bfloat16), _linear_ms(torch.float32)
+    if lin_bf16 > SLOW_LINEAR * lin_fp32:
+        # bf16 matmuls run emulated here despite the flag (kernel-ISA caps, a hypervisor hiding the instructions):
+        # the whole step cannot be faster, and timing it in bf16 would take minutes
+        rec = {"bfloat16": {"total": lin_bf16}, "float32": {"total": lin_fp32}, "probe": "linear"}
+    else:
+        log.info("model.dtype=auto: timing a scaled-down training step in bf16 and fp32 on this CPU (once per machine)")
+        rec = {"bfloat16": cpu_step_probe_ms(torch.bfloat16), "float32": cpu_step_probe_ms(torch.float32)}
+        release_memory()  # the probe models' buffers: training never reuses them
     stored[key] = rec
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(stored, indent=1))
-    return Bf16Check(flags, rec["bfloat16"]["total"], rec["float32"]["total"], "step", False)
+    return Bf16Check(flags, rec["bfloat16"]["total"], rec["float32"]["total"], rec.get("probe", "step"), False)
+
+
+SLOW_LINEAR = 2.0  # a bf16 linear layer this many times slower than fp32 means emulated bf16: no whole-step timing
 
 
 def _linear_ms(dtype: torch.dtype) -> float:

@@ -77,6 +77,7 @@ def test_the_step_probe_times_prefill_decode_and_training_and_leaves_the_rng_alo
 def test_the_step_check_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("BASIS_LITE_CACHE", str(tmp_path))
     monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+    monkeypatch.setattr(dtypes, "_linear_ms", lambda dtype: 1.0)  # native bf16: the pre-screen lets the step decide
     calls = []
 
     def fake_probe(dtype, probe=dtypes.STEP_PROBE):
@@ -137,3 +138,24 @@ def test_probe_cache_key_changes_with_kernel_isa_caps(monkeypatch):
     both = dtypes._probe_cache_key(("avx512_bf16",))
     assert len({plain, capped, both}) == 3
     assert capped.endswith("ONEDNN_MAX_CPU_ISA=AVX2") and "ATEN_CPU_CAPABILITY=avx2" in both
+
+
+def test_an_emulated_bf16_linear_decides_without_the_step_timing(monkeypatch, tmp_path):
+    """A CPU that reports avx512_bf16 but runs bf16 matmuls emulated (kernel caps, a hypervisor) is told apart by one
+    linear layer: no minutes-long bf16 step timing, fp32 is chosen, and the decision is cached like a step timing."""
+    monkeypatch.setenv("BASIS_LITE_CACHE", str(tmp_path))
+    monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+    monkeypatch.setattr(dtypes, "_linear_ms", lambda dtype: 52.0 if dtype == torch.bfloat16 else 4.0)
+    monkeypatch.setattr(dtypes, "cpu_step_probe_ms", lambda *a, **k: pytest.fail("no step timing for emulated bf16"))
+    dtypes.cpu_bf16_check.cache_clear()
+    try:
+        first = dtypes.cpu_bf16_check()
+        assert (first.probe, first.fast, first.cached, first.bf16_ms, first.fp32_ms) == ("linear", False, False, 52.0, 4.0)
+        assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+        dtypes.cpu_bf16_check.cache_clear()
+        monkeypatch.setattr(dtypes, "_linear_ms", lambda dtype: pytest.fail("read back from the cache"))
+        again = dtypes.cpu_bf16_check()
+        assert (again.probe, again.cached, again.fast) == ("linear", True, False)
+        assert "linear layer" in again.describe()
+    finally:
+        dtypes.cpu_bf16_check.cache_clear()
