@@ -1243,17 +1243,22 @@ def _memory_of(run, rows, upd: dict, baseline_mb: float, shape: Shape, dtype, ro
                             peak.get("gen total", 0.0), upd.get("rss_peak_mb", 0.0))
 
 
+def _recorded_rollout(trainer_mod, run, batch, rec) -> tuple:
+    """trainer.rollout timed whole, with `rec`'s hooks in place during it and removed after (even on an error)."""
+    try:
+        t0 = time.perf_counter()
+        rollouts = trainer_mod.rollout(run, batch)
+        return rollouts, time.perf_counter() - t0
+    finally:
+        rec.remove()
+
+
 def _generate_once(trainer_mod, engine_name, run, batch, shape, lora) -> dict:
     """One rollout phase through trainer.rollout, with its parts timed (see the module docstring)."""
     model, engine = run.model, run.engine
     if engine_name == "fast":
         rec = FastRecorder(engine.fast_decoder())
-        try:
-            t0 = time.perf_counter()
-            rollouts = trainer_mod.rollout(run, batch)
-            total = time.perf_counter() - t0
-        finally:
-            rec.remove()
+        rollouts, total = _recorded_rollout(trainer_mod, run, batch, rec)
         cfg = run.cfg
         lora_w = 0 if engine.fast_decoder().merged else fast_lora_width(shape, cfg.lora.r, cfg.lora.target_modules)
         merge = fast_merge_flops(shape, cfg.lora.r, cfg.lora.target_modules) if engine.fast_decoder().merged else 0.0
@@ -1261,12 +1266,7 @@ def _generate_once(trainer_mod, engine_name, run, batch, shape, lora) -> dict:
                 "merged": engine.fast_decoder().merged}
     if engine_name == "hf":
         rec = ForwardRecorder(model.get_base_model())
-        try:
-            t0 = time.perf_counter()
-            rollouts = trainer_mod.rollout(run, batch)
-            total = time.perf_counter() - t0
-        finally:
-            rec.remove()
+        rollouts, total = _recorded_rollout(trainer_mod, run, batch, rec)
         return {"rollouts": rollouts, "total": total, "forwards": rec.summary(shape, lora)}
 
     import basis_lite.engines.vllm as vmod

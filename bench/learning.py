@@ -587,19 +587,9 @@ def write_md(report: dict, path: Path) -> None:
                                                       else "") for r in recs]
             lines.append(f"| {a} | " + " | ".join(cells) + " |")
         for a, pr in report.get("paired", {}).items():
-            lines.append("")
-            lines.append(f"Paired by seed, {a} minus {pr['vs']}: final accuracy {pr['mean_diff']:+.3f}"
-                         + (f" +- {pr['se']:.3f} (SE over {len(pr['seeds'])} seeds)" if pr["se"] is not None else
-                            " (one seed)")
-                         + "; per seed " + ", ".join(f"{sd}: {d:+.3f}" for sd, d in pr["final_accuracy_diff"].items())
-                         + f"; training clock {pr['clock_ratio']:.2f}x {pr['vs']}'s.")
+            lines += ["", _paired_line(a, pr["vs"], pr)]
     for a, pr in report.get("paired_basis", {}).items():
-        lines.append("")
-        lines.append(f"Paired by seed, basis minus {a}: final accuracy {pr['mean_diff']:+.3f}"
-                     + (f" +- {pr['se']:.3f} (SE over {len(pr['seeds'])} seeds)" if pr["se"] is not None else
-                        " (one seed)")
-                     + "; per seed " + ", ".join(f"{sd}: {d:+.3f}" for sd, d in pr["final_accuracy_diff"].items())
-                     + f"; training clock {pr['clock_ratio']:.2f}x {a}'s.")
+        lines += ["", _paired_line("basis", a, pr)]
     lines += _time_to_accuracy_md(report.get("time_to_accuracy"), arms)
     machines = _machines(report, arms)
     if len(machines) == 1:
@@ -621,6 +611,13 @@ def write_md(report: dict, path: Path) -> None:
     lines += [f"Generated {report.get('created', '')} by bench/learning.py; data in learning.json, chart "
               "learning.png.", ""]
     path.write_text("\n".join(lines))
+
+
+def _paired_line(arm: str, base: str, pr: dict) -> str:
+    return (f"Paired by seed, {arm} minus {base}: final accuracy {pr['mean_diff']:+.3f}"
+            + (f" +- {pr['se']:.3f} (SE over {len(pr['seeds'])} seeds)" if pr["se"] is not None else " (one seed)")
+            + "; per seed " + ", ".join(f"{sd}: {d:+.3f}" for sd, d in pr["final_accuracy_diff"].items())
+            + f"; training clock {pr['clock_ratio']:.2f}x {base}'s.")
 
 
 def _time_to_accuracy_md(tta: dict | None, arms: list[str]) -> list[str]:
