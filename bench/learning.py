@@ -73,19 +73,18 @@ step with its standard error, each seed's numbers, and the paired per-seed diffe
 Issue 22 on the default task (bench/results/learning-default*/; each default-job arm is about 2.5-4 min on 2
 cores with avx512_bf16, grpo8_wide about 10 min): five seeds of BASIS, REINFORCE++ and GRPO at equal rollouts, one
 seed per invocation so that other jobs can run between them; the BASIS paper's comparison (GRPO with 8 rollouts for
-each of the same 32 prompts, 8x the rollouts per step) beside BASIS in one invocation; the BASIS mix beside BASIS:
+each of the same 32 prompts, 8x the rollouts per step) beside BASIS in one invocation:
 
     for s in 0 1 2 3 4; do python bench/learning.py --steps 20 --eval-every 5 --seeds $s --quiet \
         --arms basis,reinforce_pp,grpo8 --runs runs/l22; done
     python bench/learning.py --analyze-only --steps 20 --eval-every 5 --seeds 0 1 2 3 4 \
-        --arms basis,reinforce_pp,grpo8 --runs runs/l22 --out bench/results/learning-default
+        --arms basis,reinforce_pp,grpo8,rloo2 --runs runs/l22 --out bench/results/learning-default
     python bench/learning.py --steps 20 --eval-every 5 --seeds 0 --quiet --arms basis,grpo8_wide --runs runs/l22w \
         --out bench/results/learning-default-wide
-    python bench/learning.py --steps 20 --eval-every 5 --seeds 0 1 2 --quiet --arms basis,basis_mix --runs runs/l22m \
-        --out bench/results/learning-default-mix
 
 The held-out split of the default task cannot grow much (level 1 has 100 distinct problems, 50 of them held out),
-so the seeds, not the eval size, set the standard error. Not run yet: rloo2 and basis_value on the default task,
+so the seeds, not the eval size, set the standard error. rloo2 ran later, seed by seed, into the same runs folder.
+Not run yet: basis_mix and basis_value as learning arms on 5 seeds,
 and the same arms on the old two-digit mix (--preset cpu-smollm2-arith-add2) and on wordproblems.
 
 EAPO (prior on levels 1-3, then levels 4-5 with and without injection, three seeds; about 2 hours on 2 cores):
