@@ -418,6 +418,7 @@ def test_make_vllm_engine_picks_the_engine_and_explains_a_missing_vllm(tiny, mon
     engine = make_engine(load_config("smoke", ["generation.engine=vllm", "generation.vllm_weight_sync=merged"]),
                          model, tok, "hf")
     assert isinstance(engine, ev.MergedVLLMEngine) and "enable_lora" not in seen and "max_lora_rank" not in seen
+    assert engine.root is None  # no temporary LoRA folder: only a LoRA sync makes one
     assert ev.resolve_weight_sync("auto", "cpu", torch.float32, model) == "merged"
     assert ev.resolve_weight_sync("auto", "cpu", torch.bfloat16, model) == "lora"
     assert ev.resolve_weight_sync("auto", "cuda", torch.float32, model) == "lora"

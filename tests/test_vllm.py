@@ -280,6 +280,7 @@ def test_merged_push_serves_the_live_adapter_and_leaves_the_base_untouched(merge
     # the trainer's frozen base: bit for bit what it was before all the pushes
     now = dict(model.named_parameters())
     assert all(torch.equal(now[n], t) for n, t in frozen.items())
+    assert engine.root is None  # merged pushes saved no adapter: no temporary LoRA folder was made
 
 
 @pytest.fixture(scope="module")

@@ -418,14 +418,16 @@ class PlainVLLMEngine(_VLLMEngineBase):
     def __init__(self, model, tokenizer, llm, max_prompt_tokens: int, seed: int = 0, **kw):
         super().__init__(model, tokenizer, max_prompt_tokens, seed, **kw)
         self.llm = llm
-        self.root = tempfile.mkdtemp(prefix="basis-lite-vllm-lora-")
-        weakref.finalize(self, shutil.rmtree, self.root, True)
+        self.root: str | None = None  # temporary folder for the saved adapters, made by the first LoRA sync
         self._folders: list[str] = []
 
     def sync(self, model=None) -> None:
         from vllm.lora.request import LoRARequest
 
         m = model if model is not None else self.model
+        if self.root is None:
+            self.root = tempfile.mkdtemp(prefix="basis-lite-vllm-lora-")
+            weakref.finalize(self, shutil.rmtree, self.root, True)
         lora_id = next(_LORA_IDS)
         folder = os.path.join(self.root, f"adapter-{lora_id}")
         m.save_pretrained(folder)
