@@ -84,8 +84,23 @@ each of the same 32 prompts, 8x the rollouts per step) beside BASIS in one invoc
 
 The held-out split of the default task cannot grow much (level 1 has 100 distinct problems, 50 of them held out),
 so the seeds, not the eval size, set the standard error. rloo2 ran later, seed by seed, into the same runs folder.
-Not run yet: basis_mix and basis_value as learning arms on 5 seeds,
-and the same arms on the old two-digit mix (--preset cpu-smollm2-arith-add2) and on wordproblems.
+
+The same four arms on the previous default mix (bench/results/learning-add2/, seeds 0-2, about 13 min per seed) and
+on wordproblems (bench/results/learning-wordproblems/, seeds 0-1, about 25 min per seed; that folder's README also
+has BASIS with --set estimator.normalize=true), one seed per invocation:
+
+    python bench/learning.py --preset cpu-smollm2-arith-add2 --steps 20 --eval-every 5 --seeds $s --quiet \
+        --arms basis,reinforce_pp,grpo8,rloo2 --runs runs/l22add2
+    python bench/learning.py --steps 20 --eval-every 5 --seeds $s --quiet --set data.dataset=wordproblems \
+        --set 'data.levels=[1,4,5]' --arms basis,reinforce_pp,grpo8,rloo2 --runs runs/l22wp
+
+(then --analyze-only with all the seeds and the same --preset / --set, and --out the results folder).
+The mix and value-sampling options beside BASIS on the default task (bench/results/learning-mix/, seeds 0-2):
+
+    python bench/learning.py --steps 20 --eval-every 5 --seeds $s --quiet --arms basis,basis_mix,basis_value \
+        --runs runs/l22mix
+
+Not run yet: GRPO 32x8 on the previous mix and on wordproblems.
 
 EAPO (prior on levels 1-3, then levels 4-5 with and without injection, three seeds; about 2 hours on 2 cores):
 
