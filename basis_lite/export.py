@@ -161,6 +161,13 @@ def carries_base(cfg: Config) -> bool:
     return cfg.model.name.startswith("builtin:")
 
 
+def _verified_copy(src: Path, dst: Path) -> None:
+    """Copy `src` to `dst` (with its metadata) and check the copy's sha256 against the original."""
+    shutil.copy2(src, dst)
+    if sha256_file(src) != sha256_file(dst):
+        raise ModelError(f"copy of {src} to {dst} differs from the original; disk problem?")
+
+
 def _copy_base(base_path: str, dst: Path, tok) -> list[str]:
     """The built-in base's model files (config, weights as stored, generation config) into `dst`, with the
     tokenizer and the training chat template; each copy verified."""
@@ -169,9 +176,7 @@ def _copy_base(base_path: str, dst: Path, tok) -> list[str]:
     for p in sorted(Path(base_path).iterdir()):
         if p.is_file() and (p.suffix == ".safetensors" or p.name in ("config.json", "generation_config.json")
                             or p.name.endswith(".safetensors.index.json")):
-            shutil.copyfile(p, dst / p.name)
-            if sha256_file(p) != sha256_file(dst / p.name):
-                raise ModelError(f"copy of {p} to {dst / p.name} differs from the original; disk problem?")
+            _verified_copy(p, dst / p.name)
             names.append(p.name)
     tok.save_pretrained(dst)
     return names
@@ -193,9 +198,7 @@ def export_adapter(cfg: Config, target: Target, out: Path) -> dict:
             if p.name == "adapter_config.json":
                 _portable_adapter_config(p, tmp / p.name, BASE_DIR if with_base else cfg.model.name)
                 continue
-            shutil.copy2(p, tmp / p.name)
-            if sha256_file(p) != sha256_file(tmp / p.name):
-                raise ModelError(f"copy of {p} to {tmp / p.name} differs from the original; disk problem?")
+            _verified_copy(p, tmp / p.name)
         if not (tmp / ADAPTER_RUN_CONFIG).exists():
             save_config(cfg, tmp / ADAPTER_RUN_CONFIG)
         tok.save_pretrained(tmp)

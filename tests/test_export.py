@@ -324,6 +324,26 @@ def test_full_disk_while_writing_gives_a_clear_error_and_removes_the_temp_folder
     _no_leftovers(out)
 
 
+def test_a_corrupted_adapter_copy_is_refused_and_nothing_is_left(env, tmp_path, monkeypatch, capsys):
+    """The adapter's files are copied and each copy is checked against its original's sha256: a copy that comes out
+    different (a failing disk) stops the export with an error naming the file, and no folder is left."""
+    real_copy = shutil.copy2
+
+    def flipping_copy(src, dst, *a, **k):
+        real_copy(src, dst, *a, **k)
+        if Path(dst).name == "adapter_model.safetensors":
+            data = bytearray(Path(dst).read_bytes())
+            data[-1] ^= 0xFF
+            Path(dst).write_bytes(bytes(data))
+
+    monkeypatch.setattr(export_mod.shutil, "copy2", flipping_copy)
+    out = tmp_path / "bad-copy"
+    assert cli.main(["export", str(env["run"]), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "adapter_model.safetensors" in err and "differs from the original" in err
+    _no_leftovers(out)
+
+
 def test_too_little_free_space_is_refused_before_writing(env, tmp_path, monkeypatch, capsys):
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(export_mod.shutil, "disk_usage", lambda p: usage._replace(free=1000))
