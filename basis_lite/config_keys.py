@@ -220,7 +220,9 @@ class EstimatorConfig:
     history: bool = setting(False, "basis: refine the prior with this run's earlier rewards of the same prompt")
     options: dict = setting({}, "estimator options, checked at load (basis: see "
                             "basis_lite/estimators/basis_options.py)")
-    normalize: bool = setting(False, "divide the advantages by their batch std (reinforce_pp always does)")
+    normalize: Any = setting("auto", "divide the advantages by their batch std: auto (on for basis, off for the "
+                             "others) | always | never; true / false read as always / never (reinforce_pp whitens "
+                             "its own)", choices=("auto", "always", "never"), bools=("always", "never"))
 
 
 def _check_estimator(cfg: Config) -> None:

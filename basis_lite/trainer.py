@@ -319,7 +319,8 @@ def baselines(run: RunState, step: Step):
     prior = prior_values(ids, run.prior_table, run.history if run.uses_history else None) if run.with_prior else None
     ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=step.features, history=run.history,
                            trajectory_features=step.trajectory, replay=run.replay, options=est.options,
-                           normalize=est.normalize, state=run.est_state)
+                           normalize=run.estimator.normalizes(est.normalize),
+                           state=run.est_state)
     adv, base = run.estimator.compute(step.rewards, ctx)
     if run.est_state is not None:  # after the baselines, like the history and the replay buffer
         run.est_state.observe(step.n, ids, step.rewards)

@@ -658,6 +658,36 @@ def test_a_registered_estimator_is_usable_by_name():
         _REGISTRY.pop("test_half")
 
 
+def test_normalize_setting_resolves_per_estimator():
+    """estimator.normalize: auto (the default) divides basis's advantages by the batch std and leaves the other
+    estimators' as they are; true / false are read as always / never; anything else names the accepted values."""
+    assert load_config("smoke", []).estimator.normalize == "auto"
+    assert load_config("smoke", ["estimator.normalize=true"]).estimator.normalize == "always"
+    assert load_config("smoke", ["estimator.normalize=false"]).estimator.normalize == "never"
+    with pytest.raises(ConfigError, match=r"estimator\.normalize.*'sometimes'.*auto, always, never"):
+        load_config("smoke", ["estimator.normalize=sometimes"])
+    auto_on = {n for n in estimator_names() if get_estimator(n).normalizes("auto")}
+    assert auto_on == {"basis"}
+    for name in estimator_names():
+        spec = get_estimator(name)
+        assert spec.normalizes("always") and spec.normalizes(True)
+        assert not spec.normalizes("never") and not spec.normalizes(False)
+
+
+def test_trainer_applies_the_resolved_normalize_setting(tmp_path):
+    """The trainer passes estimator.normalize resolved for the run's estimator: basis under auto logs advantages of
+    unit std (rewards vary on the smoke preset's character-sum reward); with never they keep the rewards' scale."""
+    from conftest import VARIED, step_records, train_smoke
+
+    stds = {}
+    for setting in ("auto", "never"):
+        run = train_smoke(tmp_path / setting, *VARIED, "train.steps=2", f"estimator.normalize={setting}",
+                          one_thread=True)
+        stds[setting] = [r["advantage_std"] for r in step_records(run)]
+    assert all(s == pytest.approx(1.0, abs=1e-3) for s in stds["auto"]), stds
+    assert all(0.0 < s < 0.9 for s in stds["never"]), stds
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["estimator.options={bandwith: 0.3}"], r"estimator\.options\.bandwith: .*accepted options: bandwidth, "),
     (["estimator.options={bandwidth: -1}"], r"estimator\.options\.bandwidth: -1 is not accepted; expected a positive "

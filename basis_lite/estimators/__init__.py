@@ -75,6 +75,8 @@ class EstimatorSpec:
     check_options: options -> options, raising ConfigError that names ``estimator.options.<key>`` (torch-free);
         None means the estimator takes no options.
     whitened: the advantages come out already divided by the batch std, so ``ctx.normalize`` leaves them as they are.
+    normalize_auto: ``estimator.normalize: auto`` divides this estimator's advantages by their batch std
+        (``normalizes``).
     uses_trajectory: the engine must capture trajectory features (``ctx.trajectory_features``); engines compute them
         only for such estimators.
     replay_capacity: options -> rollouts the trainer keeps in a replay buffer of earlier steps (``ctx.replay``,
@@ -94,9 +96,17 @@ class EstimatorSpec:
     fn: Callable | None = None
     check_options: Callable[[dict], dict] | None = None
     whitened: bool = False
+    normalize_auto: bool = False
     uses_trajectory: bool = False
     replay_capacity: Callable[[dict], int | None] | None = None
     state: Callable[[dict], Any] | None = None
+
+    def normalizes(self, setting: str | bool) -> bool:
+        """``estimator.normalize`` resolved for this estimator: always, never, or auto (``normalize_auto``);
+        a bool is taken as always / never."""
+        if setting == "auto":
+            return self.normalize_auto
+        return setting in (True, "always")
 
     def make_state(self, options: dict) -> Any:
         """The estimator's state for a run with these options (None: it keeps none)."""
@@ -211,7 +221,7 @@ register(EstimatorSpec(
     description="BASIS: each prompt's baseline from the other prompts of the batch (kernel-weighted by prompt "
                 "similarity, shrunk toward a calibrated prior); b_i never uses r_i",
     check_options=basis_options.validate_options, replay_capacity=probe_options.mix_replay_capacity,
-    state=_basis_state))
+    state=_basis_state, normalize_auto=True))
 register(EstimatorSpec(
     "reinforce_pp", min_rollouts=1,
     description="REINFORCE++: whitening over the whole batch; the baseline (batch mean) includes r_i", whitened=True))
