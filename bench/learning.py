@@ -17,6 +17,9 @@ the same number of steps, from the same seed, with the SAME NUMBER OF ROLLOUTS P
     poise         estimator poise,        B/2 prompts x 2 rollouts (trajectory features captured while generating)
     poise_wide    estimator poise,        B prompts x 2 rollouts: TWICE the rollouts per step of every other arm,
                                           compared with them at equal wall-clock (its steps cost more)
+    basis_raw     as basis with estimator.normalize=never: the advantages r - b not divided by the batch std
+                                          (BASIS's behaviour before issue 22 made auto = on for basis)
+    basis_mix, basis_value, grpo8_wide    the mix option, prompt selection by value, GRPO 8 x B (issue 22)
 
 EAPO arms (not in the default --arms; run them in this order, the last needs the first's adapter):
 
@@ -71,36 +74,43 @@ step with its standard error, each seed's numbers, and the paired per-seed diffe
     python bench/learning.py --steps 20 --eval-every 10 --arms basis,reinforce_pp --seeds 0 1 2 --quiet
 
 Issue 22 on the default task (bench/results/learning-default*/; each default-job arm is about 2.5-4 min on 2
-cores with avx512_bf16, grpo8_wide about 10 min): five seeds of BASIS, REINFORCE++ and GRPO at equal rollouts, one
-seed per invocation so that other jobs can run between them; the BASIS paper's comparison (GRPO with 8 rollouts for
-each of the same 32 prompts, 8x the rollouts per step) beside BASIS in one invocation:
+cores with avx512_bf16, grpo8_wide about 10 min): five seeds of BASIS as shipped, BASIS with raw advantages,
+REINFORCE++, GRPO and RLOO at equal rollouts, one seed per invocation so that other jobs can run between them; the
+BASIS paper's comparison (GRPO with 8 rollouts for each of the same 32 prompts, 8x the rollouts per step) beside
+BASIS in one invocation:
 
     for s in 0 1 2 3 4; do python bench/learning.py --steps 20 --eval-every 5 --seeds $s --quiet \
-        --arms basis,reinforce_pp,grpo8 --runs runs/l22; done
+        --arms basis,basis_raw,reinforce_pp,grpo8,rloo2 --runs runs/l22; done
     python bench/learning.py --analyze-only --steps 20 --eval-every 5 --seeds 0 1 2 3 4 \
-        --arms basis,reinforce_pp,grpo8,rloo2 --runs runs/l22 --out bench/results/learning-default
+        --arms basis,basis_raw,reinforce_pp,grpo8,rloo2 --runs runs/l22 --out bench/results/learning-default
     python bench/learning.py --steps 20 --eval-every 5 --seeds 0 --quiet --arms basis,grpo8_wide --runs runs/l22w \
         --out bench/results/learning-default-wide
 
 The held-out split of the default task cannot grow much (level 1 has 100 distinct problems, 50 of them held out),
-so the seeds, not the eval size, set the standard error. rloo2 ran later, seed by seed, into the same runs folder.
+so the seeds, not the eval size, set the standard error.
 
-The same four arms on the previous default mix (bench/results/learning-add2/, seeds 0-2, about 13 min per seed) and
-on wordproblems (bench/results/learning-wordproblems/, seeds 0-1, about 25 min per seed; that folder's README also
-has BASIS with --set estimator.normalize=true), one seed per invocation:
+The same arms on the previous default mix (bench/results/learning-add2/, seeds 0-4, about 13 min per seed) and on
+wordproblems (bench/results/learning-wordproblems/, about 35 min per seed), one seed per invocation:
 
     python bench/learning.py --preset cpu-smollm2-arith-add2 --steps 20 --eval-every 5 --seeds $s --quiet \
-        --arms basis,reinforce_pp,grpo8,rloo2 --runs runs/l22add2
+        --arms basis,basis_raw,reinforce_pp,grpo8,rloo2 --runs runs/l22add2
     python bench/learning.py --steps 20 --eval-every 5 --seeds $s --quiet --set data.dataset=wordproblems \
-        --set 'data.levels=[1,4,5]' --arms basis,reinforce_pp,grpo8,rloo2 --runs runs/l22wp
+        --set 'data.levels=[1,4,5]' --arms basis,basis_raw,reinforce_pp,grpo8,rloo2 --runs runs/l22wp
 
 (then --analyze-only with all the seeds and the same --preset / --set, and --out the results folder).
-The mix and value-sampling options beside BASIS on the default task (bench/results/learning-mix/, seeds 0-2):
+The mix and value-sampling options beside BASIS on the default task (bench/results/learning-mix/, seeds 0-2, run
+before normalize became auto, so with raw advantages throughout):
 
     python bench/learning.py --steps 20 --eval-every 5 --seeds $s --quiet --arms basis,basis_mix,basis_value \
         --runs runs/l22mix
 
-Not run yet: GRPO 32x8 on the previous mix and on wordproblems.
+Not run yet: GRPO 32x8 on the previous mix and on wordproblems, and with today's BASIS beside it.
+
+Which ``basis`` ran in those folders: the runs of issue 22 before ``estimator.normalize`` became auto (= on for
+basis) ran BASIS with raw advantages; they were arm ``basis`` then and are ``basis_raw`` now. The runs with ``--set
+estimator.normalize=true`` (the arm ``basis_norm`` of the time) are ``basis`` now: the same settings as today's
+default. The run folders were renamed so (their settings files rewritten to the equivalent overrides) and the
+results folders rebuilt with --analyze-only; each results README says which commit ran what.
 
 EAPO (prior on levels 1-3, then levels 4-5 with and without injection, three seeds; about 2 hours on 2 cores):
 
@@ -145,16 +155,16 @@ from basis_lite.config import ConfigError, load_config  # noqa: E402
 
 DEFAULT_ARMS = ("basis", "basis_prior", "reinforce_pp", "grpo8")  # --arms picks the others
 PROBE_ARMS = ("basis_probe", "rloo2", "poise", "poise_wide")
-MIX_ARMS = ("basis_mix", "basis_value", "grpo8_wide")  # issue 22
+MIX_ARMS = ("basis_mix", "basis_value", "basis_raw", "grpo8_wide")  # issue 22
 EAPO_ARMS = ("eapo_prior", "hard", "hard_eapo")
 ARMS = DEFAULT_ARMS + PROBE_ARMS + MIX_ARMS + EAPO_ARMS
 GROUP = 8  # grpo8's rollouts per prompt
 COLORS = {"basis": "tab:blue", "basis_prior": "tab:green", "reinforce_pp": "tab:orange", "grpo8": "tab:red",
           "basis_probe": "tab:cyan", "rloo2": "tab:gray", "poise": "tab:purple", "poise_wide": "tab:pink",
           "eapo_prior": "tab:olive", "hard": "tab:brown", "hard_eapo": "tab:cyan", "basis_mix": "navy",
-          "basis_value": "teal", "grpo8_wide": "darkred"}
+          "basis_value": "teal", "basis_raw": "darkgoldenrod", "grpo8_wide": "darkred"}
 DESCRIPTIONS = {
-    "basis": "BASIS, 1 rollout/prompt, no prior",
+    "basis": "BASIS as shipped (advantages / batch std), 1 rollout/prompt, no prior",
     "basis_prior": "BASIS, 1 rollout/prompt, offline prior (cold, counted in the clock)",
     "reinforce_pp": "REINFORCE++, 1 rollout/prompt",
     "grpo8": f"GRPO, {GROUP} rollouts/prompt",
@@ -167,6 +177,8 @@ DESCRIPTIONS = {
     "poise_wide": "POISE, 2 rollouts/prompt, all the prompts (2x the rollouts per step)",
     "basis_mix": "BASIS mix (LOO mean, pooling, probe prior, value tracker; weights from earlier batches)",
     "basis_value": "BASIS, prompts selected by tracked value (data.value_sampling=1)",
+    "basis_raw": "BASIS with its advantages not divided by the batch std (estimator.normalize=never, the default "
+                 "before issue 22)",
     "grpo8_wide": f"GRPO, {GROUP} rollouts/prompt, all the prompts ({GROUP}x the rollouts per step)",
 }
 # paired differences by seed: arm -> the arm it is compared with
@@ -235,6 +247,8 @@ def arm_overrides(arm: str, batch_size: int, prior_samples: int, hard_levels: li
         return one + ["estimator.options={mix: true}"]
     if arm == "basis_value":
         return one + ["data.value_sampling=1.0"]
+    if arm == "basis_raw":
+        return one + ["estimator.normalize=never"]
     if arm == "grpo8_wide":  # the BASIS paper's comparison: the same prompts per step, 8 rollouts each
         return ["estimator.name=grpo", f"estimator.rollouts_per_prompt={GROUP}", "estimator.prior_samples=0",
                 f"train.batch_size={batch_size}"]
@@ -809,7 +823,7 @@ def aggregate(per_seed: dict[str, dict], arm_order: list[str]) -> dict[str, dict
 
 # basis against the other arms users would pick instead of it, reported as "basis minus X" (PAIR_BASE pairs basis
 # with reinforce_pp, and grpo8_wide, basis_mix and basis_value with basis already)
-BASIS_VS = ("grpo8", "rloo2")
+BASIS_VS = ("grpo8", "rloo2", "basis_raw")
 
 
 def _paired_diff(per_seed: dict[str, dict], arm: str, base: str) -> dict | None:
