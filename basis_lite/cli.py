@@ -131,10 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from basis_lite.config import load_config
-    from basis_lite.distributed import env_rank
-    from basis_lite.runs import resume_config
-    from basis_lite.trainer import train
+    from .config import load_config
+    from .rl.distributed import env_rank
+    from .runs.saved import resume_config
+    from .trainer import train
 
     signal.signal(signal.SIGTERM, _sigterm)  # stop like Ctrl-C: the reward worker closes, the lock is released
     if args.resume:
@@ -162,13 +162,13 @@ def cmd_train(args) -> int:
 
 
 def _sigterm(signum, frame):
-    from basis_lite.errors import Interrupted
+    from .errors import Interrupted
 
     raise Interrupted("SIGTERM")
 
 
 def cmd_presets(args) -> int:
-    from basis_lite.config import list_presets, preset_summary
+    from .config import list_presets, preset_summary
 
     names = list_presets()
     width = max(len(n) for n in names)
@@ -178,7 +178,7 @@ def cmd_presets(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from basis_lite.config import describe_config, load_config
+    from .config import describe_config, load_config
 
     cfg = load_config(args.preset, args.overrides)
     head = f"# basis-lite config: preset {cfg.preset or args.preset}"
@@ -191,8 +191,8 @@ def cmd_config(args) -> int:
 
 
 def cmd_prior(args) -> int:
-    from basis_lite.config import load_config
-    from basis_lite.priors import compute_prior
+    from .config import load_config
+    from .rl.priors import compute_prior
 
     table = compute_prior(load_config(args.preset, args.overrides), args.samples or 0)
     state = "reused cached" if table["cached"] else f"computed in {table['seconds']:.0f}s"
@@ -202,8 +202,8 @@ def cmd_prior(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from basis_lite.errors import ConfigError
-    from basis_lite.runs import evaluate_run, format_eval_table, format_misses
+    from .errors import ConfigError
+    from .runs.saved import evaluate_run, format_eval_table, format_misses
 
     if args.show_misses < 0:
         raise ConfigError(f"--show-misses: expected N >= 0, got {args.show_misses}")
@@ -217,7 +217,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from basis_lite.export import export_run
+    from .export.hf import export_run
 
     report = export_run(args.run_dir, args.out, merged=args.merged, dtype=args.dtype, tolerance=args.tolerance,
                         gguf=args.gguf)
@@ -246,8 +246,8 @@ def cmd_export(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from basis_lite.config import list_presets
-    from basis_lite.plan import PLAN_FOOTER, plan_for
+    from .config import list_presets
+    from .plan import PLAN_FOOTER, plan_for
 
     names = list_presets() if args.all else [args.preset or None]
     blocks = [plan_for(name, args.overrides, args.gpu_memory, gpus=args.gpus) for name in names]
@@ -256,7 +256,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from basis_lite.plot import plot_run
+    from .plot import plot_run
 
     plots = plot_run(args.run_dir, args.out)
     if plots.skipped:
@@ -277,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("transformers", "httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING if not args.verbose else logging.DEBUG)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from basis_lite.errors import USER_ERRORS
-    from basis_lite.safeio import disk_full_error, is_disk_full
+    from .errors import USER_ERRORS
+    from .safeio import disk_full_error, is_disk_full
 
     if args.command != "train" and all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         print(f"error: `{args.command}` runs in one process; only `train` runs under torchrun (every rank would "

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, ConfigError, cache_root, load_config, preset_path
-from .downloads import SMOLLM2_CACHE_DIR
+from .model.downloads import SMOLLM2_CACHE_DIR
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5

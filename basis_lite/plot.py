@@ -22,7 +22,7 @@ steps (odd, about a tenth of the run, at least 3) on top; runs shorter than 5 st
 are never smoothed. The rollouts per step for the explained-variance reference come from the run's config.yaml
 (train.batch_size x estimator.rollouts_per_prompt) when it is there.
 
-The metrics are read with `basis_lite.metrics.read_metrics`: lines that fail to parse (a run killed mid-write) are
+The metrics are read with `basis_lite.runs.metrics.read_metrics`: lines that fail to parse (a run killed mid-write) are
 skipped and counted; when a step appears twice (a run resumed without truncation) the later record wins. Torch-free.
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
-from .metrics import FILE as METRICS_FILE
-from .metrics import loo_reference_ev, read_metrics
+from .runs.metrics import FILE as METRICS_FILE
+from .runs.metrics import loo_reference_ev, read_metrics
 from .safeio import check_run_folder
 
 MIN_SMOOTH_POINTS = 5

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from .config import Config
-from .dtypes import resolve_device, resolve_dtype
 from .errors import ConfigError
+from .model.dtypes import resolve_device, resolve_dtype
 
 log = logging.getLogger("basis_lite")
 DECIDED_FILE = "decided.json"
@@ -81,7 +81,7 @@ def read_decided(data) -> dict | None:
 
 
 def cpu_native_bf16() -> bool:
-    from .dtypes import cpu_bf16_flags
+    from .model.dtypes import cpu_bf16_flags
 
     return bool(cpu_bf16_flags())
 
@@ -157,11 +157,11 @@ def build_policy(cfg: Config, device, dtype, adapter_path=None, training: bool =
     if backend == "auto":
         backend = auto_backend(device)
     if backend == "unsloth":
-        from .unsloth_backend import load_unsloth_policy
+        from .model.unsloth import load_unsloth_policy
 
         model, tok = load_unsloth_policy(cfg, device, dtype, adapter_path)
     else:
-        from .models import load_policy
+        from .model.loading import load_policy
 
         model, tok = load_policy(cfg, device, dtype, adapter_path)
     with_prior = training and bool(cfg.eapo.prior_adapter)
@@ -171,7 +171,7 @@ def build_policy(cfg: Config, device, dtype, adapter_path=None, training: bool =
 
             raise ModelError("eapo.prior_adapter: experience injection needs model.backend hf; auto picked unsloth "
                              "here, so set model.backend=hf")
-        from .eapo import load_prior_adapter
+        from .engines.eapo import load_prior_adapter
 
         load_prior_adapter(model, cfg.eapo.prior_adapter)
     set_portable_base_name(model, cfg.model.name)
@@ -180,7 +180,7 @@ def build_policy(cfg: Config, device, dtype, adapter_path=None, training: bool =
 
 def set_portable_base_name(model, name: str) -> None:
     """Record `model.name` as given (a hub id, a local folder, or `builtin:...`, which
-    `basis_lite.models.resolve_model_path` turns into the local folder) as the adapter's `base_model_name_or_path`,
+    `basis_lite.model.loading.resolve_model_path` turns into the local folder) as the adapter's `base_model_name_or_path`,
     instead of the folder the base was loaded from (for a built-in model, this machine's cache)."""
     for peft_cfg in (getattr(model, "peft_config", None) or {}).values():
         peft_cfg.base_model_name_or_path = name

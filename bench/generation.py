@@ -57,7 +57,7 @@ ENGINE_LABELS = {"generate": "generate()", "fast": "fast path", "vllm_lora": "vL
 def _vllm_engines(cfg, model, tok, device, dtype, max_prompt: int) -> dict:
     """The two in-process vLLM engines over the same model: a LoRA request per sync, and merged weights pushed."""
     from basis_lite.engines.vllm import MergedVLLMEngine, PlainVLLMEngine, build_plain_llm
-    from basis_lite.models import resolve_model_path
+    from basis_lite.model.loading import resolve_model_path
 
     path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
     out = {}
@@ -82,10 +82,10 @@ def measure_dtype(preset: str, dtype_name: str, repeats: int, overrides: list[st
     import torch
 
     from basis_lite.config import load_config
-    from basis_lite.dtypes import resolve_device, resolve_dtype
     from basis_lite.engines.base import params_from_config
     from basis_lite.engines.hf import HFEngine
-    from basis_lite.models import load_policy
+    from basis_lite.model.dtypes import resolve_device, resolve_dtype
+    from basis_lite.model.loading import load_policy
     from basis_lite.runtime import seed_everything
 
     cfg = load_config(preset, [*overrides, f"model.dtype={dtype_name}"])
@@ -148,14 +148,14 @@ def measure_step(preset: str, dtype_name: str, overrides: list[str]) -> dict:
 
     from basis_lite import trainer
     from basis_lite.config import load_config
-    from basis_lite.dtypes import resolve_device, resolve_dtype
     from basis_lite.engines.hf import HFEngine
     from basis_lite.estimators import get_estimator
-    from basis_lite.models import load_policy
-    from basis_lite.rewards import RewardScorer
+    from basis_lite.model.dtypes import resolve_device, resolve_dtype
+    from basis_lite.model.loading import load_policy
+    from basis_lite.rewards.scorer import RewardScorer
+    from basis_lite.rl.step import Step
+    from basis_lite.rl.update import make_optimizer, make_scheduler
     from basis_lite.runtime import seed_everything
-    from basis_lite.step import Step
-    from basis_lite.update import make_optimizer, make_scheduler
 
     out = {}
     for name, mode in (("fast", "auto"), ("generate", "off")):

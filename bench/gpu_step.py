@@ -6,7 +6,7 @@ byte-level ChatML tokenizer of the tiny test model, whose ids fit in Qwen's voca
 on all linear layers, 64 completions x exactly 256 new tokens per step:
     basis-hf             basis-lite's load_policy + HFEngine (min_new_tokens=256) + trainer.policy_update,
                          64 prompts x 1 rollout, random +-1 advantages (every sequence trains)
-    basis-unsloth        the same through basis_lite.unsloth_backend (Unsloth's generate), if unsloth imports
+    basis-unsloth        the same through basis_lite.model.unsloth (Unsloth's generate), if unsloth imports
     basis-unsloth-vllm   the same with generation.engine=vllm (Unsloth fast_inference), if vllm imports too
     trl-grpo             TRL GRPOTrainer, 8 prompts x 8 generations (G=8), per_device_train_batch_size 8 x
                          gradient_accumulation_steps 8, min_new_tokens=256, beta=0, adamw_8bit
@@ -83,7 +83,7 @@ def build_random_model(folder: Path, dtype_name: str) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from basis_lite.models import build_tiny_tokenizer
+    from basis_lite.model.loading import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     config = Qwen2Config(**QWEN25_15B, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -142,7 +142,7 @@ def cuda_peak() -> dict:
     import torch
 
     if not torch.cuda.is_available():
-        from basis_lite.models import peak_memory_mb
+        from basis_lite.model.loading import peak_memory_mb
 
         return {"peak_allocated_gib": peak_memory_mb(torch.device("cpu")) / 1024, "device_used_gib": None}
     free, total = torch.cuda.mem_get_info()
@@ -158,11 +158,11 @@ def cuda_peak() -> dict:
 def run_basis(args, model_dir: str, backend: str, engine_name: str, dry: bool = False) -> dict:
     import torch
 
-    from basis_lite.dtypes import resolve_device, resolve_dtype
     from basis_lite.engines.base import params_from_config
+    from basis_lite.model.dtypes import resolve_device, resolve_dtype
     from basis_lite.plan import estimate_memory
+    from basis_lite.rl.update import make_optimizer, policy_update
     from basis_lite.runtime import build_policy, seed_everything
-    from basis_lite.update import make_optimizer, policy_update
 
     cfg = basis_config(model_dir, args, backend, engine_name, dry)
     device = resolve_device(cfg.device)
@@ -363,7 +363,7 @@ def main(argv=None) -> int:
 
     if args.dry_run:
         args.completions, args.new_tokens, args.steps, args.micro_batch = 4, 8, 1, 2
-        from basis_lite.models import builtin_tiny_random_dir
+        from basis_lite.model.loading import builtin_tiny_random_dir
 
         row = run_basis(args, str(builtin_tiny_random_dir()), "hf", "hf", dry=True)
         row["variant"] = "basis-hf (dry run, CPU, tiny-random)"

@@ -68,8 +68,10 @@ def main(argv: list[str]) -> int:
     sampler = PhaseSampler()
     import torch
 
-    from basis_lite import models, trainer, update
+    from basis_lite import trainer
     from basis_lite.cli import main as cli_main
+    from basis_lite.model import loading as models
+    from basis_lite.rl import update
 
     sampler.wrap(models, "builtin_smollm2_dir", "convert")
     sampler.wrap(models, "load_policy", "load_policy")

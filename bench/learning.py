@@ -303,7 +303,7 @@ def worker(spec_path: str) -> int:
 
     spec = json.loads(Path(spec_path).read_text())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    from basis_lite.models import resolve_model_path
+    from basis_lite.model.loading import resolve_model_path
     from basis_lite.trainer import train
 
     cfg = load_config(spec["preset"], spec["overrides"])
@@ -363,7 +363,7 @@ def _shown(path: Path) -> str:
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
-    """A complete checkpoint to resume from (as basis_lite.checkpoint.latest_checkpoint, without importing torch)."""
+    """A complete checkpoint to resume from (as basis_lite.runs.checkpoint.latest_checkpoint, without importing torch)."""
     ck = run_dir / "checkpoints"
     return ck.is_dir() and any((p / "MANIFEST.json").exists() for p in ck.glob("step-*"))  # checkpoint.MANIFEST
 

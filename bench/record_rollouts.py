@@ -95,7 +95,7 @@ def generate(engine, prompts: list[str], answers: list[str], n: int, temperature
     import torch
 
     from basis_lite.engines.base import SamplingParams
-    from basis_lite.rewards import correctness
+    from basis_lite.rewards.scorer import correctness
 
     N = len(prompts)
     rewards, lengths, feats = out if out is not None else (np.zeros((N, n), dtype=np.uint8),
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     from basis_lite.config import load_config
     from basis_lite.data import format_prompt, load_examples
     from basis_lite.engines.hf import HFEngine
-    from basis_lite.models import load_policy
+    from basis_lite.model.loading import load_policy
 
     t_start = time.time()
     deadline = None if a.max_seconds is None else t_start + a.max_seconds

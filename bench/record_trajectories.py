@@ -14,7 +14,7 @@ each rollout's trajectory feature, engines/trajectory.py):
   the head of the train split over-represents small levels that the rest of it barely holds.)
 
 Extra samples are drawn with the torch RNG saved and restored around them, and trajectory capture changes no
-sampled token (tests/test_trajectory.py), so the training run itself is the run the preset makes without recording.
+sampled token (tests/engines/test_trajectory.py), so the training run itself is the run the preset makes without recording.
 An estimator at step t may use the training steps s < t (its replay buffer) and one or two of the K samples of each
 probe prompt at step t (the current batch); the rest are the truth. Stored in ``bench/results/trajectories_<family>.npz``
 (rewards float32, features float16, a JSON ``meta``), rewritten after every step: an interrupted recording keeps
@@ -83,13 +83,13 @@ def main(argv=None) -> int:
     import torch
     from provenance import provenance
 
-    from basis_lite import checkpoint as ckpt
     from basis_lite import trainer
     from basis_lite.config import load_config, to_dict
     from basis_lite.data import format_prompt, load_examples
     from basis_lite.engines.base import params_from_config
     from basis_lite.engines.trajectory import STATS
-    from basis_lite.step import Step
+    from basis_lite.rl.step import Step
+    from basis_lite.runs import checkpoint as ckpt
 
     overrides = list(a.set) + ([f"train.steps={a.steps}"] if a.steps else []) + ["train.save_every=100000"]
     cfg = load_config(a.preset, overrides)

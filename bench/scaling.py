@@ -15,7 +15,7 @@ transfer, the wait for the slowest rank before it, its bytes), the gradient all-
 explained variance of the live baselines (noisy over a few steps).
 
 Value-estimate quality. The baselines of N ranks with b prompts each are those of one process with N x b prompts
-(tests/test_distributed.py checks it), so the quality at each global batch is measured on the recorded real
+(tests/rl/test_distributed.py checks it), so the quality at each global batch is measured on the recorded real
 SmolLM2 rollouts with bench/value_mse.py's protocol: the baseline MSE of BASIS (default, no prior) against the
 Monte-Carlo values, as a ratio to REINFORCE++'s batch mean (lower is better), per recorded scenario.
 
@@ -72,7 +72,7 @@ def run_one(n: int, args, work: Path) -> dict:
     wall = time.time() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{n} processes: training failed (rc {proc.returncode}); see {work / f'procs-{n}.log'}")
-    from basis_lite.metrics import read_metrics
+    from basis_lite.runs.metrics import read_metrics
 
     steps, _evals, _skipped = read_metrics(run_dir / "metrics.jsonl")
     timed = steps[1:] or steps  # the first step warms up (allocations, first generate)

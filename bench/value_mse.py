@@ -13,7 +13,7 @@ training) each prompt's reference samples are split at random, per resample, int
 Each resample draws B distinct prompts and, for every prompt, a random permutation of its policy samples: the first
 is "the rollout" r_i (the only reward a single-rollout estimator sees for prompt i), the second is the "earlier
 epoch" reward h_i used by the per-prompt history estimators. A prior with K reference samples is built exactly as
-``basis_lite.priors.prior_values`` does, from K reference samples drawn at random per prompt (and the run's history
+``basis_lite.rl.priors.prior_values`` does, from K reference samples drawn at random per prompt (and the run's history
 {id: (h_i, 1)} for the history variants).
 
 Monte-Carlo truth, per estimator: v_i = the mean of prompt i's policy samples that the estimator did NOT use (all of
@@ -78,7 +78,7 @@ from basis_lite.estimators.basis_mix import basis_mix, make_state  # noqa: E402
 from basis_lite.estimators.basis_options import BASIS_DEFAULTS  # noqa: E402
 from basis_lite.estimators.probe import ReplayBuffer  # noqa: E402
 from basis_lite.estimators.probe_options import mix_replay_capacity  # noqa: E402
-from basis_lite.priors import PSEUDO_COUNT, prior_values  # noqa: E402
+from basis_lite.rl.priors import PSEUDO_COUNT, prior_values  # noqa: E402
 
 GROUP_SIZES = (2, 4, 8)
 TARGET_RATIO = 0.31  # issue: BASIS MSE <= 0.31x REINFORCE++ (the paper's "69% lower")

@@ -15,8 +15,8 @@ Arms (each in its own Python process, so their peak RSS are separate; one after 
 
 What every arm shares (all read from the preset at run time, nothing hard-coded):
 
-- the model: basis_lite.models.load_policy() builds base + LoRA for every arm (the built-in SmolLM2 folder, the
-  dtype from basis_lite.dtypes.resolve_dtype(model.dtype), LoRA r / alpha / dropout / target modules, adapters in
+- the model: basis_lite.model.loading.load_policy() builds base + LoRA for every arm (the built-in SmolLM2 folder, the
+  dtype from basis_lite.model.dtypes.resolve_dtype(model.dtype), LoRA r / alpha / dropout / target modules, adapters in
   fp32, gradient checkpointing), after the same seed, so the initial adapter is the same too;
   TRL gets that PeftModel instead of a model path and a peft_config;
 - optimizer and learning-rate schedule: basis-lite's own make_optimizer / make_scheduler (AdamW; linear warmup
@@ -24,13 +24,13 @@ What every arm shares (all read from the preset at run time, nothing hard-coded)
 - prompts: basis_lite.data.format_prompt (system prompt, instruction, chat template) over the training split, in
   the order basis-lite's PromptSampler draws them (TRL with shuffle_dataset=False);
 - sampling: temperature, top_p, top_k and max new tokens (TRL: max_completion_length);
-- reward: basis_lite.rewards.RewardScorer (math-verify correctness), given to TRL as a reward function that reads
+- reward: basis_lite.rewards.scorer.RewardScorer (math-verify correctness), given to TRL as a reward function that reads
   the gold answer from the dataset's "answer" column;
 - loss: token-level PPO clip with clip_low / clip_high (TRL: epsilon / epsilon_high, loss_type="dapo"), no KL
   (beta = train.kl_coef = 0), one update per batch of rollouts (num_iterations=1), gradient clipping at
   train.max_grad_norm, train.micro_batch_size sequences per forward/backward (TRL: per_device_train_batch_size,
   with gradient_accumulation_steps = B / micro-batch);
-- evaluation: basis_lite.evaluate.evaluate() with the arguments train() passes it (greedy, eval_max_new_tokens,
+- evaluation: basis_lite.rl.evaluate.evaluate() with the arguments train() passes it (greedy, eval_max_new_tokens,
   eval_batch_size, the held-out split load_examples(cfg.data, "eval")), on the same HF engine, before training,
   every --eval-every steps and at the end. --eval-limit N keeps the first N held-out problems (the split is drawn
   round-robin over the levels); it never changes data.eval_size, which would change the training split too.
@@ -334,7 +334,7 @@ def worker_basis(spec: dict) -> dict:
     import torch
 
     from basis_lite import trainer as bl_trainer
-    from basis_lite.dtypes import resolve_device, resolve_dtype
+    from basis_lite.model.dtypes import resolve_device, resolve_dtype
 
     cfg = load_config(spec["preset"], spec["overrides"])
     limit = spec.get("eval_limit")
@@ -401,7 +401,7 @@ class TorchLogProbHead:
               logit_scale=1.0, outputs=("log_probs", "entropy")):
         import torch
 
-        from basis_lite.losses import chunked_token_logprobs
+        from basis_lite.losses.policy import chunked_token_logprobs
 
         unsupported = [o for o in outputs if o not in ("log_probs", "entropy")]
         if unsupported:
@@ -429,10 +429,10 @@ class TorchLogProbHead:
 
 def basis_lite_function(name: str):
     """A basis-lite setup function (make_engine, make_optimizer, make_scheduler, seed_everything) by name, from the
-    module that holds it: basis_lite.runtime / basis_lite.update, or basis_lite.trainer in older layouts."""
+    module that holds it: basis_lite.runtime / basis_lite.rl.update, or basis_lite.trainer in older layouts."""
     import importlib
 
-    for module in ("basis_lite.runtime", "basis_lite.update", "basis_lite.trainer"):
+    for module in ("basis_lite.runtime", "basis_lite.rl.update", "basis_lite.trainer"):
         try:
             mod = importlib.import_module(module)
         except ImportError:
@@ -484,10 +484,10 @@ def worker_trl(spec: dict) -> dict:
     from transformers import TrainerCallback
 
     from basis_lite.data import PromptSampler, format_prompt, load_examples
-    from basis_lite.dtypes import resolve_device, resolve_dtype
-    from basis_lite.evaluate import evaluate
-    from basis_lite.models import load_policy
-    from basis_lite.rewards import RewardScorer
+    from basis_lite.model.dtypes import resolve_device, resolve_dtype
+    from basis_lite.model.loading import load_policy
+    from basis_lite.rewards.scorer import RewardScorer
+    from basis_lite.rl.evaluate import evaluate
 
     make_engine, make_optimizer, make_scheduler, seed_everything = (
         basis_lite_function(n) for n in ("make_engine", "make_optimizer", "make_scheduler", "seed_everything"))

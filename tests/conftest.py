@@ -152,9 +152,9 @@ def trainer_logprobs(model, tok, rolls, temperature):
     with the update's attention kernel (models.training_attention: eager for a bf16 model on the CPU)."""
     import torch
 
-    from basis_lite.losses import sequence_logprobs
-    from basis_lite.models import training_attention
-    from basis_lite.update import pack_sequences
+    from basis_lite.losses.policy import sequence_logprobs
+    from basis_lite.model.loading import training_attention
+    from basis_lite.rl.update import pack_sequences
 
     ids, attn, cmask = pack_sequences(rolls, 512, tok.pad_token_id)
     model.eval()

@@ -1,4 +1,4 @@
-"""torchrun entry point of tests/test_distributed.py: records what its rank does, then runs `basis-lite ARGS`.
+"""torchrun entry point of tests/rl/test_distributed.py: records what its rank does, then runs `basis-lite ARGS`.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_entry.py LOG_DIR WATCHED_DIR ARGS...
 

@@ -1,4 +1,4 @@
-"""User reward functions for tests/test_rewards.py (imported by module path, also in the reward worker)."""
+"""User reward functions for tests/rewards/test_rewards.py (imported by module path, also in the reward worker)."""
 import math
 import os
 import time

@@ -56,9 +56,9 @@ def test_grpo_needs_more_than_one_rollout(capsys, tmp_path):
 
 
 def test_4bit_without_bitsandbytes(capsys, tmp_path, monkeypatch):
-    import basis_lite.models
+    import basis_lite.model.loading
 
-    monkeypatch.setattr(basis_lite.models, "bnb_available", lambda: False)
+    monkeypatch.setattr(basis_lite.model.loading, "bnb_available", lambda: False)
     _bad(capsys, tmp_path, *FAST, "model.load_in_4bit=true", words=("load_in_4bit", "bitsandbytes"))
 
 
@@ -216,7 +216,7 @@ def _cfg(*overrides):
 
 
 def test_nan_loss_skips_the_step_then_aborts(tmp_path, monkeypatch, caplog):
-    import basis_lite.losses as losses
+    import basis_lite.losses.policy as losses
     import basis_lite.trainer as trainer
 
     real = losses.get_policy_loss("ppo_clip")
@@ -258,7 +258,7 @@ def test_fake_cuda_oom_at_the_gpu_boundary_suggests_a_smaller_micro_batch(tmp_pa
 def test_disk_full_while_checkpointing_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     from safetensors.torch import load_file
 
-    import basis_lite.checkpoint as ckpt
+    import basis_lite.runs.checkpoint as ckpt
 
     real_save = ckpt.save_file
     calls = []

@@ -167,7 +167,7 @@ def test_readme_data_examples_load(tmp_path):
 
 def test_readme_reward_example_runs_in_the_reward_worker(tmp_path, monkeypatch):
     from basis_lite.config import load_config
-    from basis_lite.rewards import RewardScorer
+    from basis_lite.rewards.scorer import RewardScorer
 
     section = _section("Your own data and rewards")
     (code,) = _blocks(section, "python")

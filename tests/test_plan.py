@@ -134,7 +134,7 @@ def test_known_shapes_and_local_config(tmp_path):
 
     with pytest.raises(ConfigError, match="no shape known"):
         model_shape("someone/unknown-model")
-    from basis_lite.models import builtin_tiny_random_dir
+    from basis_lite.model.loading import builtin_tiny_random_dir
 
     local, src = model_shape(str(builtin_tiny_random_dir()))
     assert src.startswith("config.json in") and local.hidden == 64 and local.layers == 2
@@ -143,7 +143,7 @@ def test_known_shapes_and_local_config(tmp_path):
 def test_plan_cache_root_matches_models(tmp_path, monkeypatch):
     """plan.py reads the built-in model's config.json from the same cache folder as models.py, for every way of
     setting it (one torch-free cache_root, in config.py)."""
-    from basis_lite.models import cache_root
+    from basis_lite.model.loading import cache_root
     from basis_lite.plan import cache_root as _cache_root
 
     for env in ({"BASIS_LITE_CACHE": str(tmp_path / "a")}, {"XDG_CACHE_HOME": str(tmp_path / "xdg")}, {}):
@@ -160,8 +160,8 @@ def test_plan_reads_the_builtin_models_converted_folder(tmp_path):
     config.json there wins over the built-in table (a changed shape shows)."""
     import json
 
-    from basis_lite.downloads import SMOLLM2_CACHE_DIR
-    from basis_lite.models import builtin_smollm2_dir
+    from basis_lite.model.downloads import SMOLLM2_CACHE_DIR
+    from basis_lite.model.loading import builtin_smollm2_dir
 
     folder = tmp_path / SMOLLM2_CACHE_DIR
     folder.mkdir()

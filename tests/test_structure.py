@@ -11,20 +11,20 @@ PKG = Path(__file__).resolve().parent.parent / "basis_lite"
 # Layers, lowest first: a module may import its own layer and the ones below, never one above.
 LAYERS = [
     # contracts and helpers that import nothing of the package's but each other
-    {"errors", "faults", "safeio", "downloads", "data.tasks", "data.example", "answers", "trajectory_layout", "_llama_convert",
-     "config_fields"},
+    {"errors", "faults", "safeio", "model.downloads", "data.tasks", "data.example", "rewards.answers", "estimators.trajectory_layout", "export.converter",
+     "config.fields", "rewards", "model", "rl", "runs", "export"},
     # torch-free configuration: estimator and loss specs, the config tree
-    {"estimators", "estimators.basis_options", "estimators.probe_options", "loss_specs", "config_keys", "config"},
+    {"estimators", "estimators.basis_options", "estimators.probe_options", "losses", "config.keys", "config"},
     # numerics: losses, estimators' functions, data, rewards
-    {"losses", "estimators.base", "estimators.simple", "estimators.basis_blocks", "estimators.basis",
+    {"losses.policy", "estimators.base", "estimators.simple", "estimators.basis_blocks", "estimators.basis",
      "estimators.probe", "estimators.poise", "estimators.basis_mix", "data", "data.example", "data.rows", "data.loading", "data.prompts", "data.sampler",
-     "rewards", "reward_worker", "metrics", "plot"},
+     "rewards.scorer", "rewards.worker", "runs.metrics", "plot"},
     # model loading, engines, distributed, updates, checkpoints, export
-    {"models", "unsloth_backend", "engines", "engines.base", "engines.hf", "engines.seeded", "engines.trajectory",
-     "engines.vllm", "engines.vllm_weights", "engines.fast_cpu", "distributed", "update", "checkpoint", "plan", "export_check", "step", "run_folder", "dtypes",
-     "eapo"},
+    {"model.loading", "model.unsloth", "engines", "engines.base", "engines.hf", "engines.seeded", "engines.trajectory",
+     "engines.vllm", "engines.vllm_weights", "engines.fast_cpu", "rl.distributed", "rl.update", "runs.checkpoint", "plan", "export.check", "rl.step", "runs.folder", "model.dtypes",
+     "engines.eapo"},
     # assembly
-    {"runtime", "evaluate", "priors", "runs", "resume", "trainer", "export", "gguf_export"},
+    {"runtime", "rl.evaluate", "rl.priors", "runs.saved", "rl.state", "trainer", "export.hf", "export.gguf"},
     {"cli", "__main__", "__init__"},
 ]
 

@@ -24,7 +24,7 @@ from conftest import (
     train_smoke,
 )
 
-from basis_lite import checkpoint as ckpt
+from basis_lite.runs import checkpoint as ckpt
 
 SMOKE_STEP_KEYS = {
     "accuracy", "advantage_std", "baseline_mean", "clip_fraction", "completion_len", "engine_log_ratio_max",
@@ -61,7 +61,7 @@ def test_smoke_cli_end_to_end(smoke_run):
 
     # one metrics line per step, each with every field, and sane values
     recs = step_records(run)
-    # the exact key set of a one-process smoke run's step line (recorded before the step record, basis_lite.step,
+    # the exact key set of a one-process smoke run's step line (recorded before the step record, basis_lite.rl.step,
     # replaced gather_step / step_record: a key lost or added on the way fails here)
     assert all(set(r) == SMOKE_STEP_KEYS for r in recs), sorted(set(recs[0]) ^ SMOKE_STEP_KEYS)
     assert [r["step"] for r in recs] == list(range(1, cfg.train.steps + 1))
@@ -90,7 +90,7 @@ def test_smoke_adapter_loads_with_peft(smoke_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from basis_lite.models import resolve_model_path
+    from basis_lite.model.loading import resolve_model_path
 
     run = smoke_run.run_dir
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny-random"), dtype=torch.float32)

@@ -51,7 +51,7 @@ def test_wheel_ships_presets_and_no_top_level_cli(installed):
     assert not (target / "cli.py").exists()
     assert (target / "bin" / "basis-lite").exists()
     # export --gguf runs the converter driver as a file of the installed package
-    assert {"basis_lite/_llama_convert.py", "basis_lite/gguf_export.py", "basis_lite/downloads.py"} <= set(names)
+    assert {"basis_lite/export/converter.py", "basis_lite/export/gguf.py", "basis_lite/model/downloads.py"} <= set(names)
 
 
 def test_installed_cli_lists_and_plans_presets_from_elsewhere(installed):

@@ -268,7 +268,7 @@ def _local(cfg, split: str, path: Path) -> list[Example]:
         n_eval = len(rows) // 2
     where = f"{path} ({split} split)"
     # the eval rows are the first n_eval parseable ones in seeded order; the rest (in order) are for training
-    from ..answers import gold_is_parseable
+    from ..rewards.answers import gold_is_parseable
     cut, good = 0, 0
     while cut < len(rows) and good < n_eval:
         good += gold_is_parseable(rows[cut].answer)

@@ -120,7 +120,7 @@ def gold_answer(text: str, style: str = "any") -> str | None:
     if style != "math" and "####" in text:
         return text.rsplit("####", 1)[1].strip().replace(",", "") or None
     if style != "gsm8k":
-        from ..answers import last_nonempty_boxed
+        from ..rewards.answers import last_nonempty_boxed
 
         box = last_nonempty_boxed(text.replace("\\fbox", "\\boxed"))
         if box is not None:
@@ -231,7 +231,7 @@ def check_fields(raw_rows: list[tuple[int, Any]], qf: str, af: str, where: str, 
 def select_rows(rows: list[Row], n: int | None, seed_tag: str, where: str, max_bad: float, label: str,
             shuffle: bool = True) -> list[Row]:
     """Take up to n rows (None = all) in seeded order whose gold answer math-verify can parse."""
-    from ..answers import gold_is_parseable
+    from ..rewards.answers import gold_is_parseable
 
     order = list(rows)
     if shuffle:

@@ -36,7 +36,7 @@ import dataclasses
 import torch
 from transformers import LogitsProcessorList
 
-from ..models import decoder_layers, inference_mode
+from ..model.loading import decoder_layers, inference_mode
 from .base import Rollout, SamplingParams, stop_token_ids
 from .seeded import row_seeds, seeded_logits_processor
 from .trajectory import TrajectoryCapture
@@ -230,7 +230,7 @@ class HFEngine:
 
     def _generate_injected(self, prompts, input_ids, attn, params: SamplingParams, with_features: bool):
         """EAPO rollouts: the prior adapter samples the tokens at critical decision points (eapo.py)."""
-        from ..eapo import generate_with_injection
+        from .eapo import generate_with_injection
 
         e = self.eapo
         with inference_mode(self.model):

@@ -30,8 +30,8 @@ import math
 
 import torch
 
-from ..models import middle_layer_states
-from ..trajectory_layout import N_STATS, STATS, split  # noqa: F401  (the layout, re-exported)
+from ..estimators.trajectory_layout import N_STATS, STATS, split  # noqa: F401  (the layout, re-exported)
+from ..model.loading import middle_layer_states
 
 
 def answer_span(tokens: list[str]) -> tuple[int, int]:

@@ -75,7 +75,7 @@ import weakref
 
 import torch
 
-from ..models import ModelError, middle_layer_states, resolve_model_path
+from ..model.loading import ModelError, middle_layer_states, resolve_model_path
 from .base import Rollout, SamplingParams, stop_token_ids
 
 log = logging.getLogger("basis_lite")
@@ -575,7 +575,7 @@ def make_vllm_engine(cfg, model, tok, backend: str):
         log.warning("Unsloth loaded the model without its vLLM engine (vllm missing, or a GPU older than sm70): "
                     "using a separate plain vLLM engine, which holds its own 16-bit copy of the base")
     device = next(model.parameters()).device
-    from ..dtypes import resolve_dtype
+    from ..model.dtypes import resolve_dtype
 
     dtype = resolve_dtype(cfg.model.dtype, device)
     path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)

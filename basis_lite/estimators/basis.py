@@ -9,7 +9,7 @@ The leave-one-out rule: b_i never depends on r_i, for every option. Every quanti
 calibration shift, the bandwidth and shrinkage picked by cross-validation) is fitted separately for each row i on
 the rewards of the other rows only, and sums "over j != i" are computed so that reward i never enters them (masked
 sums and exclusive prefix/suffix sums, never "total minus own term"): the independence is exact in floating point.
-``tests/test_advantages.py`` checks it for every option combination.
+``tests/estimators/test_advantages.py`` checks it for every option combination.
 
 The BASIS paper published no code or equations (see ``docs/papers.md``); this is our own reconstruction. The
 defaults (fixed bandwidth and shrinkage, calibration by a logit shift, no BLUE pooling, the kernel mean shrunk
@@ -23,14 +23,7 @@ import math
 import torch
 from torch import Tensor
 
-from .base import (
-    as_float_tensor,
-    check_finite,
-    leave_one_out_mean,
-    leave_one_out_range,
-    leave_one_out_sum,
-    rewards_1d,
-)
+from .base import as_float_tensor, check_finite, leave_one_out_mean, leave_one_out_range, leave_one_out_sum, rewards_1d
 from .basis_blocks import (
     blue_terms,
     calibrate_index,

@@ -32,11 +32,11 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ..trajectory_layout import N_STATS
 from .base import as_float_tensor, estimator, leave_one_out_mean, leave_one_out_sum
 from .basis import basis
 from .probe import blocks_of, fit_probe
 from .probe_options import poise_options, split_basis_probe
+from .trajectory_layout import N_STATS
 
 
 def clip_range(buf) -> tuple[float, float]:

@@ -1,0 +1,369 @@
+"""Typed run configuration: one dataclass tree, loaded from a preset YAML, overridden with `--set a.b=c`, validated once.
+
+Every key is declared once, in basis_lite/config/keys.py, as a field built by `config_fields.setting`: its type,
+default, accepted values (a range for numbers, choices for names), its meaning and TRL's GRPOConfig name sit on one
+line; this module reads them (`FIELDS`) to merge, check and print (`basis-lite config`: `describe_config`), then
+runs the checks that read several keys (`config_keys.CHECKS`). TRL's names with the same meaning are read as their
+key here; TRL names whose meaning differs are refused with what to write; unknown keys get a did-you-mean. Every
+error names the bad key, the value and what would be accepted, and is raised as `ConfigError` (the CLI turns it
+into exit code 2 before anything is written). Torch-free: the light commands (`config`, `plan`, `presets`) use it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.resources
+import logging
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError
+from .fields import Range, bool_names, choices_of, help_text, must_be_set, range_of, refused_names, trl_name
+from .keys import (
+    CHECKS,
+    MAX_SEQUENCES,
+    MIN_PROMPT_TOKENS,
+    Config,
+    DataConfig,
+    EapoConfig,
+    EstimatorConfig,
+    GenerationConfig,
+    LoraConfig,
+    ModelConfig,
+    RewardConfig,
+    TrainConfig,
+)
+
+__all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "GenerationConfig", "RewardConfig", "EstimatorConfig",
+           "TrainConfig", "EapoConfig", "ConfigError", "MIN_PROMPT_TOKENS", "Range", "FIELDS", "ALIASES", "REFUSED",
+           "HELP", "RANGES", "CHOICES", "PRESET_DIR", "DEFAULT_PRESET", "cache_root", "all_keys", "get", "validate",
+           "load_config", "load_config_file", "from_dict", "to_dict", "save_config", "describe_config", "preset_path",
+           "list_presets", "preset_summary", "read_yaml", "MAX_SEQUENCES"]
+
+log = logging.getLogger(__name__)
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    """Where built-in models and prior tables are cached: model.cache_dir, else $BASIS_LITE_CACHE, else
+    $XDG_CACHE_HOME/basis-lite (~/.cache/basis-lite). Torch-free, so light commands (`plan`) can use it."""
+    root = cache_dir or os.environ.get("BASIS_LITE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "basis-lite")
+    return Path(root)
+
+
+def _preset_dir() -> Path:
+    """The presets: inside the installed package (a wheel ships the top-level presets/ as basis_lite/presets), or
+    the checkout's top-level presets/ folder (source tree, editable install)."""
+    packaged = Path(str(importlib.resources.files("basis_lite"))) / "presets"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "presets"
+
+
+PRESET_DIR = _preset_dir()
+DEFAULT_PRESET = "cpu-smollm2-arith"
+
+
+
+def _walk(cls, prefix: str = "") -> dict[str, dataclasses.Field]:
+    out: dict[str, dataclasses.Field] = {}
+    for f in dataclasses.fields(cls):
+        sub = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(sub):
+            out.update(_walk(sub, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = f
+    return out
+
+
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+FIELDS: dict[str, dataclasses.Field] = _walk(Config)  # every leaf key, dotted ("train.lr"), in declaration order
+ALIASES: dict[str, str] = {trl_name(f): k for k, f in FIELDS.items() if trl_name(f)}  # TRL name -> key
+REFUSED: dict[str, str] = {name: why for f in FIELDS.values() for name, why in refused_names(f).items()}
+# read-only views of the fields' declarations, for code and tests outside this module (help and choices as of now;
+# validate and describe_config read the fields, so estimators registered later are seen there)
+HELP: dict[str, str] = {k: help_text(f) for k, f in FIELDS.items()}
+RANGES: dict[str, Range] = {k: range_of(f) for k, f in FIELDS.items() if range_of(f) is not None}
+CHOICES: dict[str, tuple] = {k: choices_of(f) for k, f in FIELDS.items() if choices_of(f) is not None}
+
+
+def all_keys() -> list[str]:
+    """Every leaf key of the config tree, dotted ("train.lr"), in declaration order."""
+    return list(FIELDS)
+
+
+
+def _did_you_mean(prefix: str, key: str, names: list[str]) -> str:
+    """' (did you mean X?)' for an unknown key close to an accepted one in its section or to any key's last part
+    anywhere in the tree (train keys first: TRL's flat names are mostly training settings), else ''."""
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+    if close:
+        return f" (did you mean {prefix}{close[0]}?)"
+    close = difflib.get_close_matches(key, list(ALIASES), n=1, cutoff=0.75)  # a TRL name, misspelt
+    if close:
+        return f" (did you mean {ALIASES[close[0]]}?)"
+    leaf_of: dict[str, str] = {}
+    for k in sorted(all_keys(), key=lambda k: not k.startswith("train.")):
+        leaf_of.setdefault(k.rsplit(".", 1)[-1], k)
+    close = difflib.get_close_matches(key, list(leaf_of), n=1, cutoff=0.75)
+    return f" (did you mean {leaf_of[close[0]]}?)" if close else ""
+
+
+_SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    """Check/convert one leaf value against its annotated type, naming the key on failure."""
+    if typ is Any:
+        return value
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if typ is float:
+        if isinstance(value, str) and _SCI_FLOAT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 (PyYAML) reads 1e-5 (no dot) as a string
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if typ is str:
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if typ is list or origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list such as [a, b], got {value!r}")
+        return value
+    if typ is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping such as {{a: 1}}, got {value!r}")
+        return value
+    if isinstance(typ, types.UnionType) or origin is typing.Union:
+        return value
+    return value
+
+
+def _merge(root: Config, data: dict, prefix: str = "") -> None:
+    """Set the keys of `data` (a mapping for the section `prefix`) on `root`; TRL aliases are read as their
+    basis-lite key, unknown keys raise ConfigError with a did-you-mean and the keys accepted there."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    obj = get(root, prefix.rstrip(".")) if prefix else root
+    hints = _hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            if key in ALIASES and (not prefix or ALIASES[key].startswith(prefix)):
+                log.info("%s: TRL's name for %s", full, ALIASES[key])
+                _merge(root, _nest(ALIASES[key], value))
+                continue
+            if key in REFUSED:
+                raise ConfigError(f"{full}: not accepted. {REFUSED[key]}")
+            raise ConfigError(f"unknown config key '{full}'{_did_you_mean(prefix, str(key), names)}; accepted keys "
+                              f"here: {', '.join(names)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _merge(root, value, full + ".")
+        else:
+            setattr(obj, key, _coerce(value, hints[key], full))
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.steps=10")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _nest(key: str, value: Any) -> dict:
+    out: Any = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
+
+
+def preset_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        if not p.is_file():
+            raise ConfigError(f"preset {name_or_path!r} is not a file; give a .yaml file or a preset name")
+        return p
+    cand = PRESET_DIR / f"{name_or_path}.yaml"
+    if cand.exists():
+        return cand
+    raise ConfigError(f"preset {name_or_path!r} not found; accepted: a path to a .yaml file or one of "
+                      f"{', '.join(list_presets())}")
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def preset_summary(name: str) -> str:
+    """First comment line of a preset file after the title: its one-line description."""
+    for line in preset_path(name).read_text().splitlines():
+        if line.startswith("# ") and not line.startswith("# Launch") and not line.startswith("#   "):
+            return line[2:].strip()
+    return ""
+
+
+def load_config(preset: str | None = None, overrides: list[str] | None = None, data: dict | None = None) -> Config:
+    """Build a validated Config from a preset (name or path), a raw mapping and `key=value` overrides."""
+    cfg = Config()
+    if data is None:
+        name = preset or DEFAULT_PRESET
+        path = preset_path(name)
+        data = read_yaml(path, "preset") or {}
+        cfg.preset = name
+    _merge(cfg, data)
+    for item in overrides or []:
+        key, value = _parse_override(item)
+        _merge(cfg, _nest(key, value))
+    validate(cfg)
+    return cfg
+
+
+def get(cfg: Config, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _bad_value(key: str, value: Any, expected: str) -> ConfigError:
+    meaning = help_text(FIELDS[key])
+    return ConfigError(f"{key}: must be {expected}, got {value!r}" + (f". Meaning: {meaning}" if meaning else ""))
+
+
+def validate(cfg: Config) -> None:
+    """Check every key (its type, range or choices, non-empty where it must be), then the combinations (`_CHECKS`);
+    ConfigError naming the key, the value and what is accepted. Normalises in place: generation.top_k -1 -> 0,
+    true/false -> the names of a key with `bools` (train.mismatch_correction, generation.fast_cpu), estimator options read as numbers, TRL's loss_type names
+    as ours, train.micro_batch_size capped at the step's sequence count."""
+    for key, f in FIELDS.items():  # types again: a Config built or changed in code skips _merge's checks
+        section, _, leaf = key.rpartition(".")
+        obj = get(cfg, section) if section else cfg
+        setattr(obj, leaf, _coerce(getattr(obj, leaf), _hints(type(obj))[leaf], key))
+    for key, f in FIELDS.items():
+        value, choices, rng = get(cfg, key), choices_of(f), range_of(f)
+        if isinstance(value, bool) and bool_names(f):  # YAML's true / false (also on / off) for a key of names
+            section, _, leaf = key.rpartition(".")
+            value = bool_names(f)[0] if value else bool_names(f)[1]
+            setattr(get(cfg, section) if section else cfg, leaf, value)
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not accepted; choose one of {', '.join(choices)}")
+        if rng is not None and not rng.contains(value):
+            raise _bad_value(key, value, rng.describe(isinstance(value, int)))
+        if must_be_set(f) and not str(value).strip():
+            raise _bad_value(key, value, "a non-empty string")
+    for check in CHECKS:
+        check(cfg)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    from ..safeio import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def _yaml_value(value: Any) -> str:
+    """One value as it would be written in a preset: flow style, one line."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**6, allow_unicode=True).strip()
+    return text[:-3].strip() if text.endswith("\n...") else text
+
+
+def describe_config(cfg: Config, width: int = 116) -> str:
+    """The resolved config as a commented YAML preset: every key with its value, above it what it means and the
+    values it accepts, and its default when it differs. `basis-lite config` prints it; the text loads back as a
+    preset (`basis-lite train --preset FILE.yaml`) into the same config."""
+    import textwrap
+
+    default = Config()
+    lines: list[str] = []
+    section = None
+    for key in all_keys():
+        head, _, leaf = key.rpartition(".")
+        indent = "  " if head else ""
+        if head != section and head:
+            lines += ["", f"{head}:"]
+        elif not head and lines:
+            lines.append("")
+        section = head
+        value, f = get(cfg, key), FIELDS[key]
+        note = help_text(f)
+        if range_of(f) is not None:  # (the meaning of a key with choices lists its values)
+            note += f" [{range_of(f).describe(isinstance(value, int))}]"
+        if value != get(default, key) and key != "preset":
+            note += f" (default {_yaml_value(get(default, key))})"
+        lines += textwrap.wrap(note.strip(), width=width, initial_indent=f"{indent}# ", subsequent_indent=f"{indent}# ")
+        lines.append(f"{indent}{leaf}: {_yaml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_yaml(path: Path, what: str = "") -> Any:
+    """The YAML in a config or preset file; ConfigError naming the file when it cannot be read, is larger than
+    MAX_CONFIG_BYTES, is not UTF-8 text (a binary file), is not YAML or is nested past the parser's limit."""
+    name = f"{what} {path}".strip()
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{name}: larger than {MAX_CONFIG_BYTES >> 20} MiB; a config file is a short YAML text")
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{name}: not a text file (not UTF-8); a config file is YAML text such as the output "
+                          f"of `basis-lite config`") from None
+    if "\x00" in text:
+        raise ConfigError(f"{name}: not a text file (it holds NUL bytes); a config file is YAML text")
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{name}: not valid YAML ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{name}: nested too deeply to be a config") from None
+
+
+def load_config_file(path: str | os.PathLike) -> Config:
+    """A resolved config saved by a run (RUN_DIR/config.yaml, adapter/basis_lite_config.yaml), validated."""
+    path = Path(path)
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
+    return from_dict(data)
+
+
+def from_dict(data: dict) -> Config:
+    cfg = Config()
+    _merge(cfg, data)
+    validate(cfg)
+    return cfg

@@ -1,0 +1,519 @@
+"""Policy losses over token log-probs, and a chunked log-prob helper.
+
+Everything here works on per-token tensors of shape [B, T] (B sequences, T positions) plus a boolean/0-1 `mask`
+that marks the tokens that count (completion tokens, not prompt or padding). Masked-out positions never influence
+a value or a gradient, even when they hold NaN/inf.
+
+Notation (per token t of sequence i):
+    lp_{i,t}   = log pi_theta(y_t | s_t)           current policy (carries the gradient)
+    old_{i,t}  = log mu(y_t | s_t)                  behaviour policy: the rollout engine's or a detached forward
+    r_{i,t}    = exp(lp - old)                      importance ratio
+    A_i        advantage (one per sequence, broadcast over tokens) or A_{i,t} (one per token)
+
+Aggregation ("token-mean", as in DAPO, arXiv 2503.14476): the sum over every masked token of the batch
+divided by the number of masked tokens,
+    L = (1 / N) * sum_{i,t} m_{i,t} * l_{i,t},      N = sum_{i,t} m_{i,t}.
+Under gradient accumulation pass `num_tokens` = N of the WHOLE optimizer step (all micro-batches): the micro-batch
+losses then add up to the full-batch loss exactly, so 8 micro-batches of 1 and 1 of 8 give the same gradient.
+"seq-mean-token-mean" (GRPO / the BPO paper, Appendix B) is available too:
+    L = (1 / S) * sum_i (1 / |y_i|) sum_t m_{i,t} l_{i,t}, with S = `num_sequences` of the whole step (default B).
+
+Policy losses and aggregations are registered by name (`@policy_loss`, `@aggregation`, next to each function) against
+the torch-free table of loss_specs.py, with one signature each:
+    policy loss:  fn(batch: PolicyBatch, opts: LossOptions) -> (per-token loss [B, T], stats)
+    aggregation:  fn(per_token [B, T], mask [B, T] bool, norm: Normalizer) -> scalar
+`compute_policy_loss(loss, aggregation, batch, opts, norm, weights)` runs one of each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from . import AGGREGATIONS, LOSSES
+
+__all__ = [
+    "SequenceLogprobs",
+    "chunked_token_logprobs",
+    "sequence_logprobs",
+    "PolicyBatch",
+    "LossOptions",
+    "Normalizer",
+    "policy_loss",
+    "aggregation",
+    "get_policy_loss",
+    "get_aggregation",
+    "compute_policy_loss",
+    "importance_ratio",
+    "masked_mean",
+    "aggregate",
+    "ppo_clip_loss",
+    "bpo_loss",
+    "kl_k3",
+]
+
+_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps a wild (masked-in) log-ratio from overflowing fp32 to inf
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Chunked log-probs
+# ----------------------------------------------------------------------------------------------------------------
+
+def _chunk_logprobs(h: Tensor, tgt: Tensor, lm_head: nn.Module, temperature: float,
+                    want_entropy: list) -> tuple[Tensor, Tensor]:
+    """log softmax(lm_head(h) / T)[tgt] for one chunk of rows h [n, H] -> ([n] fp32, entropy [n] fp32 or empty).
+
+    The entropy part runs last and under no_grad: during a non-reentrant checkpoint's recomputation (backward) it
+    is skipped (`want_entropy[0]` is False by then, and recomputation stops early once the saved tensors exist).
+    """
+    logits = lm_head(h).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    lp = logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
+    if want_entropy[0]:
+        with torch.no_grad():
+            # H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v
+            ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    else:
+        ent = lp.new_empty(0)
+    return lp, ent.detach()
+
+
+def chunked_token_logprobs(hidden: Tensor, lm_head: nn.Module, targets: Tensor, mask: Tensor,
+                           chunk_size: int = 1024, temperature: float = 1.0,
+                           with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """Per-token log-probs of `targets` under softmax(lm_head(hidden) / temperature), without a [B, T, V] tensor.
+
+        logprobs[b, t] = z[b, t, targets[b, t]] - logsumexp_v z[b, t, v],   z = float32(lm_head(hidden)) / temperature
+        entropy[b, t]  = logsumexp_v z[b, t, v] - sum_v softmax(z[b, t])_v * z[b, t, v]
+
+    Only positions where `mask` is true are computed; the others are exactly 0. The selected rows of `hidden` are
+    processed `chunk_size` at a time (lm_head never sees more than `chunk_size` rows), logits are cast to float32
+    inside the chunk. When autograd is on and something needs a gradient, each chunk runs under
+    `torch.utils.checkpoint(use_reentrant=False)`: the backward saves only the chunk's hidden rows and recomputes its
+    logits, so peak memory is O(chunk_size * V) in forward and backward alike. Differentiable w.r.t. `hidden` and
+    lm_head's parameters. The entropy is a metric: computed under no_grad.
+
+    Args:
+        hidden: [B, T, H] final hidden states (after the model's final norm).
+        lm_head: module mapping [..., H] -> [..., V] (the model's output embedding).
+        targets: [B, T] token ids whose log-prob is wanted at each position.
+        mask: [B, T] bool or 0/1; positions to compute.
+    Returns:
+        (logprobs [B, T] float32, entropy [B, T] float32 or None).
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if hidden.dim() != 3 or targets.shape != hidden.shape[:2] or mask.shape != hidden.shape[:2]:
+        raise ValueError(f"expected hidden [B, T, H], targets and mask [B, T]; got {tuple(hidden.shape)}, "
+                         f"{tuple(targets.shape)}, {tuple(mask.shape)}")
+    B, T, H = hidden.shape
+    flat_mask = mask.reshape(-1).bool()
+    idx = flat_mask.nonzero(as_tuple=True)[0]  # [N]
+    n = idx.numel()
+    out = torch.zeros(B * T, dtype=torch.float32, device=hidden.device)
+    ent_out = torch.zeros(B * T, dtype=torch.float32, device=hidden.device) if with_entropy else None
+
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
+    if n == 0:
+        if needs_grad and hidden.requires_grad:
+            out = out + hidden.reshape(B * T, H)[:, 0].float() * 0.0  # keep a (zero) graph for .backward()
+        return out.view(B, T), (ent_out.view(B, T) if with_entropy else None)
+
+    h_sel = hidden.reshape(B * T, H).index_select(0, idx)  # [N, H]
+    t_sel = targets.reshape(-1).index_select(0, idx).long()
+    want_entropy = [with_entropy]  # read at call time: False during backward recomputation
+    lps, ents = [], []
+    for s in range(0, n, chunk_size):
+        h_c, t_c = h_sel[s:s + chunk_size], t_sel[s:s + chunk_size]
+        if needs_grad:
+            lp, ent = checkpoint(_chunk_logprobs, h_c, t_c, lm_head, temperature, want_entropy,
+                                 use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(h_c, t_c, lm_head, temperature, want_entropy)
+        lps.append(lp)
+        ents.append(ent)
+    want_entropy[0] = False
+    out = out.index_put((idx,), torch.cat(lps))
+    if with_entropy:
+        ent_out = ent_out.index_put((idx,), torch.cat(ents))
+        ent_out = ent_out.view(B, T)
+    return out.view(B, T), ent_out
+
+
+@dataclass
+class SequenceLogprobs:
+    """Output of `sequence_logprobs`; all [B, T-1], position t scores input_ids[:, t+1]."""
+
+    logprobs: Tensor  # float32, 0 where mask is false
+    mask: Tensor  # bool: completion_mask[:, 1:] & attention_mask[:, 1:]
+    entropy: Optional[Tensor] = None  # float32, no grad, 0 where mask is false
+    hidden_layer: Optional[Tensor] = None  # [B, T, H] output of layer `feature_layer` (detached), unshifted
+
+
+def _body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(base causal LM, decoder body, lm_head) for an HF causal LM or a peft PeftModel around one."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(base, "model", None)
+    if body is None and hasattr(base, "get_decoder"):
+        body = base.get_decoder()
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if body is None or head is None:
+        raise TypeError(f"{type(base).__name__}: expected a causal LM with a `.model` decoder body and an "
+                        f"output embedding (lm_head)")
+    cfg = getattr(base, "config", None)
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", 1.0) not in (None, 1.0):
+        raise NotImplementedError(f"{type(base).__name__}: logit soft-capping/scaling is not applied by the "
+                                  f"chunked log-prob path")
+    return base, body, head
+
+
+def sequence_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
+                      chunk_size: int = 1024, temperature: float = 1.0, with_entropy: bool = False,
+                      feature_layer: Optional[int] = None) -> SequenceLogprobs:
+    """Next-token log-probs of a causal LM over the completion tokens, computed chunk by chunk.
+
+        logprobs[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])         (softmax of logits / temperature)
+        mask[:, t]     = completion_mask[:, t+1] and attention_mask[:, t+1]
+
+    Runs the decoder body (`base.model`, use_cache=False) and applies `base.get_output_embeddings()` through
+    `chunked_token_logprobs`, so the full-vocabulary logits are never built. `model` may be a plain HF causal LM
+    (LlamaForCausalLM, Qwen2ForCausalLM, ...) or a peft PeftModel around one: the LoRA layers live inside the
+    body's modules, so the adapter is applied, and `with model.disable_adapter():` gives the reference policy.
+    `feature_layer` (an index into HF's `hidden_states` tuple: 0 = embeddings, -1 = final, normed) also returns
+    that layer's [B, T, H] output, detached.
+    """
+    _, body, head = _body_and_head(model)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    if feature_layer is not None:
+        kwargs["output_hidden_states"] = True
+    out = body(**kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    layer = None
+    if feature_layer is not None:
+        hs = getattr(out, "hidden_states", None)
+        if hs is None:
+            raise RuntimeError(f"{type(body).__name__} returned no hidden_states for feature_layer={feature_layer}")
+        layer = hs[feature_layer].detach()
+    mask = completion_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
+    lp, ent = chunked_token_logprobs(hidden[:, :-1], head, input_ids[:, 1:], mask, chunk_size=chunk_size,
+                                     temperature=temperature, with_entropy=with_entropy)
+    return SequenceLogprobs(logprobs=lp, mask=mask, entropy=ent, hidden_layer=layer)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Registries: policy losses and aggregations, bound by name to the torch-free specs of loss_specs.py
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class PolicyBatch:
+    """One micro-batch's inputs to a policy loss, all [B, T] but `advantages` ([B] per sequence or [B, T])."""
+
+    logprobs: Tensor  # current policy, carries the gradient
+    old_logprobs: Tensor  # the policy the ratio compares with (detached)
+    advantages: Tensor
+    mask: Tensor
+
+
+@dataclass
+class LossOptions:
+    """The knobs the policy losses read (train.* of the same names)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    bpo_eps: float = 0.1
+    bpo_cap: float = 5.0
+    importance_sampling_level: str = "token"
+
+    @classmethod
+    def from_train(cls, t) -> "LossOptions":
+        return cls(t.clip_low, t.clip_high, t.bpo_eps, t.bpo_cap, t.importance_sampling_level)
+
+
+@dataclass
+class Normalizer:
+    """The step-wide counts an aggregation divides by (so that micro-batches add up to the whole step).
+
+    num_tokens: completion tokens of the whole step, all ranks; local_tokens: this rank's; num_sequences: sequences
+    of the whole step, all ranks; max_completion_length: generation.max_new_tokens. None = this call's own count."""
+
+    num_tokens: Optional[float] = None
+    num_sequences: Optional[float] = None
+    local_tokens: Optional[float] = None
+    num_ranks: int = 1
+    max_completion_length: Optional[int] = None
+
+
+PolicyLossFn = Callable[[PolicyBatch, LossOptions], tuple]  # -> (per-token loss [B, T], stats)
+AggregationFn = Callable[[Tensor, Tensor, Normalizer], Tensor]  # (per-token loss, mask, counts) -> scalar
+_LOSS_FNS: dict[str, PolicyLossFn] = {}
+_AGGREGATION_FNS: dict[str, AggregationFn] = {}
+
+
+def _binder(table: dict, specs: dict, kind: str):
+    def bind(name: str):
+        def deco(fn):
+            if name not in specs:
+                raise ValueError(f"{kind} {name!r} has no entry in loss_specs ({', '.join(specs)})")
+            table[name] = fn
+            return fn
+        return deco
+    return bind
+
+
+policy_loss = _binder(_LOSS_FNS, LOSSES, "policy loss")  # @policy_loss("name") above fn(batch, opts)
+aggregation = _binder(_AGGREGATION_FNS, AGGREGATIONS, "aggregation")  # @aggregation("name") above fn(l, m, norm)
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    if name not in _LOSS_FNS:
+        raise ValueError(f"policy loss {name!r} not accepted; choose one of {', '.join(_LOSS_FNS)}")
+    return _LOSS_FNS[name]
+
+
+def get_aggregation(name: str) -> AggregationFn:
+    name = next((s.name for s in AGGREGATIONS.values() if name == s.trl), name)  # TRL's loss_type names too
+    if name not in _AGGREGATION_FNS:
+        raise ValueError(f"aggregation {name!r} not accepted; choose one of {', '.join(_AGGREGATION_FNS)}")
+    return _AGGREGATION_FNS[name]
+
+
+def compute_policy_loss(name: str, aggregation_name: str, batch: PolicyBatch, opts: LossOptions,
+                        norm: Normalizer, weights: Optional[Tensor] = None) -> tuple[Tensor, dict]:
+    """The scalar loss of one micro-batch: the policy loss `name` per token, times the detached `weights`
+    ([B, T] importance weights, or None), reduced by the aggregation `aggregation_name`. Returns (loss, stats)."""
+    per_token, stats = get_policy_loss(name)(batch, opts)
+    if weights is not None:
+        per_token = per_token * weights.detach().to(per_token.dtype)
+    return get_aggregation(aggregation_name)(per_token, batch.mask.bool(), norm), stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Aggregations
+# ----------------------------------------------------------------------------------------------------------------
+
+def masked_mean(x: Tensor, mask: Tensor, num_tokens: Optional[float] = None) -> Tensor:
+    """sum(x * mask) / N with N = `num_tokens` if given, else sum(mask) (at least 1). Masked-out x is ignored,
+    even if NaN/inf."""
+    m = mask.bool()
+    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+    denom = float(num_tokens) if num_tokens is not None else m.sum().clamp(min=1).to(total.dtype)
+    return total / denom
+
+
+def _masked_sum_rows(x: Tensor, m: Tensor) -> Tensor:
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(-1)
+
+
+@aggregation("token-mean")
+def token_mean(per_token: Tensor, m: Tensor, norm: Normalizer) -> Tensor:
+    """sum_{i,t} m l / N, N = completion tokens of the whole step (TRL: dapo)."""
+    return masked_mean(per_token, m, norm.num_tokens)
+
+
+@aggregation("seq-mean-token-mean")
+def seq_mean_token_mean(per_token: Tensor, m: Tensor, norm: Normalizer) -> Tensor:
+    """sum_i [sum_t m l / max(1, |y_i|)] / S, S = sequences of the whole step or B (TRL: grpo)."""
+    per_seq = _masked_sum_rows(per_token, m) / m.sum(-1).clamp(min=1).to(per_token.dtype)
+    denom = float(norm.num_sequences) if norm.num_sequences is not None else float(per_token.shape[0])
+    return per_seq.sum() / denom
+
+
+@aggregation("local-token-mean")
+def local_token_mean(per_token: Tensor, m: Tensor, norm: Normalizer) -> Tensor:
+    """Each rank's token mean, averaged over the ranks: sum m l / (N_rank * ranks) (TRL: bnpo, without its
+    dependence on the micro-batch split)."""
+    local = norm.local_tokens if norm.local_tokens is not None else norm.num_tokens
+    return masked_mean(per_token, m, None if local is None else max(1.0, float(local)) * norm.num_ranks)
+
+
+@aggregation("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(per_token: Tensor, m: Tensor, norm: Normalizer) -> Tensor:
+    """sum_{i,t} m l / (S * L), S = sequences of the whole step or B, L = max_completion_length (TRL: dr_grpo)."""
+    if norm.max_completion_length is None:
+        raise ValueError("seq-mean-token-sum-norm needs Normalizer.max_completion_length")
+    seqs = float(norm.num_sequences) if norm.num_sequences is not None else float(per_token.shape[0])
+    return _masked_sum_rows(per_token, m).sum() / (seqs * float(norm.max_completion_length))
+
+
+def aggregate(per_token: Tensor, mask: Tensor, aggregation: str = "token-mean", num_tokens: Optional[float] = None,
+              num_sequences: Optional[float] = None) -> Tensor:
+    """Reduce a per-token loss [B, T] to a scalar with a registered aggregation (its name or TRL's):
+
+    token-mean:           sum_{i,t} m l / N,  N = num_tokens (whole step) or sum(m) of this micro-batch.
+    seq-mean-token-mean:  sum_i [ sum_t m l / max(1, sum_t m) ] / S,  S = num_sequences (whole step) or B.
+    """
+    return get_aggregation(aggregation)(per_token, mask.bool(), Normalizer(num_tokens, num_sequences))
+
+
+def _broadcast_adv(advantages: Tensor, like: Tensor) -> Tensor:
+    a = advantages.to(like.dtype)
+    if a.dim() == 1:
+        a = a.unsqueeze(-1)
+    return a.expand_as(like)
+
+
+def _frac(x: Tensor, mask: Tensor) -> Tensor:
+    return masked_mean(x.float(), mask).detach()
+
+
+def importance_ratio(logprobs: Tensor, old_logprobs: Tensor, m: Tensor, level: str = "token") -> Tensor:
+    """r = exp(lp - old) per token, or with level "sequence" (GSPO) exp(mean over the sequence's masked tokens of
+    lp - old), broadcast to every token; masked-out positions are 1 (token level). [B, T], carries the gradient."""
+    log_ratio = torch.where(m, logprobs - old_logprobs.to(logprobs.dtype), torch.zeros_like(logprobs))
+    if level == "sequence":
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(logprobs)
+    elif level != "token":
+        raise ValueError(f"importance_sampling_level {level!r} not accepted; choose token or sequence")
+    return torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+
+
+def _ratio_stats(ratio: Tensor, low: Tensor, high: Tensor, m: Tensor) -> dict:
+    r_masked = torch.where(m, ratio, torch.zeros_like(ratio))
+    return {
+        "clip_fraction": _frac(low | high, m),
+        "clip_low_fraction": _frac(low, m),
+        "clip_high_fraction": _frac(high, m),
+        "ratio_mean": _frac(ratio, m),
+        "ratio_max": r_masked.max().detach() if m.any() else ratio.new_zeros(()),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Policy losses: fn(batch, opts) -> (per-token loss [B, T], stats of detached 0-d tensors)
+# ----------------------------------------------------------------------------------------------------------------
+
+@policy_loss("ppo_clip")
+def ppo_clip(b: PolicyBatch, o: LossOptions) -> tuple[Tensor, dict]:
+    """PPO clipped surrogate with asymmetric (DAPO clip-higher) bounds:
+
+        l_{i,t} = -min( r A,  clip(r, 1 - clip_low, 1 + clip_high) A ),   r from `importance_ratio`
+
+    A token is clipped (zero gradient) when A > 0 and r > 1 + clip_high, or A < 0 and r < 1 - clip_low.
+    On-policy (old = lp.detach(), r = 1): the REINFORCE gradient, at either level.
+    Stats: clip_fraction, clip_low_fraction, clip_high_fraction, ratio_mean, ratio_max (this call's masked tokens).
+    """
+    m = b.mask.bool()
+    adv = _broadcast_adv(b.advantages, b.logprobs)
+    ratio = importance_ratio(b.logprobs, b.old_logprobs, m, o.importance_sampling_level)
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1.0 - o.clip_low, 1.0 + o.clip_high) * adv
+    per_token = -torch.minimum(surr1, surr2)
+    with torch.no_grad():
+        low = (adv < 0) & (ratio < 1.0 - o.clip_low)
+        high = (adv > 0) & (ratio > 1.0 + o.clip_high)
+        stats = _ratio_stats(ratio, low, high, m)
+    return per_token, stats
+
+
+@policy_loss("cispo")
+def cispo(b: PolicyBatch, o: LossOptions) -> tuple[Tensor, dict]:
+    """CISPO (MiniMax-M1; TRL loss_type "cispo"): REINFORCE with a clipped, detached importance weight,
+
+        l_{i,t} = -sg[ min(r, 1 + clip_high) ] A lp_{i,t},   r from `importance_ratio`
+
+    Every token keeps a gradient (the weight is capped, never zeroed). Stats as ppo_clip's; clip_fraction and
+    clip_high_fraction count the capped tokens.
+    """
+    m = b.mask.bool()
+    adv = _broadcast_adv(b.advantages, b.logprobs)
+    with torch.no_grad():
+        ratio = importance_ratio(b.logprobs.detach(), b.old_logprobs, m, o.importance_sampling_level)
+        weight = ratio.clamp(max=1.0 + o.clip_high)
+        high = ratio > 1.0 + o.clip_high
+        stats = _ratio_stats(ratio, torch.zeros_like(high), high, m)
+    lp_safe = torch.where(m, b.logprobs, torch.zeros_like(b.logprobs))
+    return -adv * weight * lp_safe, stats
+
+
+@policy_loss("bpo")
+def bpo(b: PolicyBatch, o: LossOptions) -> tuple[Tensor, dict]:
+    """Bellman Policy Optimization practical loss (papers.md §4.2; TRL `BPOTrainer._compute_loss`, "paper, Eq. 14").
+
+        mu_{i,t}  = exp(old_{i,t})     behaviour-policy probability of the sampled token
+        pi_{i,t}  = exp(lp_{i,t})      current-policy probability
+        w_{i,t}   = sg[ (1 + eps - mu) / (1 + eps - pi) ]                    smoothed complementary-probability ratio
+        c_{i,t}   = 0 if (A > 0 and w > 1 + clip_high) or (A < 0 and w < 1 - clip_low), else 1   (UNcapped w)
+        l_{i,t}   = -A_i * c_{i,t} * min(w_{i,t}, C) * lp_{i,t}
+
+    The weight is detached: grad = -A c min(w, C) grad lp (w = 1 on-policy: REINFORCE). Clipped tokens stay in the
+    denominator. Paper defaults: eps = 0.1, C = 3.0 (the project config's cap is 5.0); no KL, no entropy bonus.
+    Non-finite `old_logprobs` (behaviour log-prob missing) fall back to the detached current log-prob, as TRL does.
+    Token level only. Stats: clip_fraction, clip_low_fraction, clip_high_fraction, capped_fraction, omega_mean,
+    ratio_mean (pi/mu).
+    """
+    if o.importance_sampling_level != "token":
+        raise ValueError("bpo: importance_sampling_level must be token")
+    m = b.mask.bool()
+    adv = _broadcast_adv(b.advantages, b.logprobs)
+    lp_det = b.logprobs.detach()
+    old = b.old_logprobs.to(b.logprobs.dtype)
+    old = torch.where(torch.isfinite(old), old, lp_det)
+    with torch.no_grad():
+        mu = old.exp()
+        pi = lp_det.exp()
+        omega = (1.0 + o.bpo_eps - mu) / (1.0 + o.bpo_eps - pi)
+        low = (adv < 0) & (omega < 1.0 - o.clip_low)
+        high = (adv > 0) & (omega > 1.0 + o.clip_high)
+        keep = ~(low | high)
+        weight = torch.where(keep, omega.clamp(max=o.bpo_cap), torch.zeros_like(omega))
+    lp_safe = torch.where(m, b.logprobs, torch.zeros_like(b.logprobs))
+    per_token = -adv * weight * lp_safe
+    with torch.no_grad():
+        log_ratio = torch.where(m, lp_det - old, torch.zeros_like(lp_det)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        stats = {
+            "clip_fraction": _frac(low | high, m),
+            "clip_low_fraction": _frac(low, m),
+            "clip_high_fraction": _frac(high, m),
+            "capped_fraction": _frac(keep & (omega > o.bpo_cap), m),
+            "omega_mean": _frac(torch.where(m, omega, torch.zeros_like(omega)), m),
+            "ratio_mean": _frac(log_ratio.exp(), m),
+        }
+    return per_token, stats
+
+
+def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                  clip_low: float = 0.2, clip_high: float = 0.28, num_tokens: Optional[float] = None,
+                  aggregation: str = "token-mean", num_sequences: Optional[float] = None,
+                  weights: Optional[Tensor] = None, level: str = "token") -> tuple[Tensor, dict]:
+    """`ppo_clip` aggregated (token-mean by default: sum m w l / N, N = num_tokens or the masked tokens), with
+    optional detached per-token `weights` [B, T]. Returns (loss scalar, stats)."""
+    return compute_policy_loss("ppo_clip", aggregation, PolicyBatch(logprobs, old_logprobs, advantages, mask),
+                               LossOptions(clip_low, clip_high, importance_sampling_level=level),
+                               Normalizer(num_tokens, num_sequences), weights)
+
+
+def bpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps: float = 0.1,
+             cap: float = 5.0, clip_low: float = 0.2, clip_high: float = 0.28, num_tokens: Optional[float] = None,
+             aggregation: str = "token-mean", num_sequences: Optional[float] = None,
+             weights: Optional[Tensor] = None) -> tuple[Tensor, dict]:
+    """`bpo` aggregated as `ppo_clip_loss` is. Returns (loss scalar, stats)."""
+    return compute_policy_loss("bpo", aggregation, PolicyBatch(logprobs, old_logprobs, advantages, mask),
+                               LossOptions(clip_low, clip_high, eps, cap), Normalizer(num_tokens, num_sequences),
+                               weights)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KL to the reference
+# ----------------------------------------------------------------------------------------------------------------
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref) (Schulman), [B, T], 0 where mask is false:
+
+        d = ref_lp - lp;   k3 = exp(d) - d - 1  >= 0   (= 0 iff lp == ref_lp)
+
+    Unbiased for KL(pi || pi_ref) when tokens are sampled from pi. `ref_logprobs` is detached; the gradient flows
+    through `logprobs` (d k3 / d lp = 1 - exp(d)). d is clamped to +-20 against fp32 overflow. Average it with
+    `masked_mean(kl_k3(...), mask, num_tokens)`.
+    """
+    m = mask.bool()
+    d = torch.where(m, ref_logprobs.detach().to(logprobs.dtype) - logprobs, torch.zeros_like(logprobs))
+    d = d.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return torch.where(m, torch.exp(d) - d - 1.0, torch.zeros_like(d))

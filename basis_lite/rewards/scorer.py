@@ -1,0 +1,274 @@
+"""Rewards: a math-verify answer check, a format check, and user reward functions.
+
+Built-in rewards (always computed, so they can be logged even with weight 0):
+
+- ``correctness(completion, gold)``: 1.0 when math-verify judges the completion's answer equal to the gold answer.
+  With ``require_boxed`` (the default) only the content of the LAST non-empty ``\\boxed{...}`` counts; without a
+  box, or with only empty boxes, it scores 0 (math-verify on its own falls back to the last number in the text,
+  so ``"17 + 25 = 32. The answer is \\boxed{}"`` would otherwise be read as 32). The gold answer is wrapped in
+  ``\\boxed{}`` before parsing and its parse is cached.
+- ``format_reward(completion)``: 1.0 when a non-empty ``\\boxed{...}`` is present.
+
+User reward functions are given in the config as ``"package.module:function"`` strings (a module in the
+working directory is found without ``PYTHONPATH=.``; a resumed run never imports one from inside its run folder,
+see ``reward_worker._refuse_code_from``) and are called batched with keyword arguments, TRL's
+convention::
+
+    def my_reward(completions, answers, **kwargs) -> list[float]:               # basis-lite's names
+    def accuracy(completions, answer, level, **kwargs) -> list[float]:          # data columns, as TRL passes them
+    def brevity(prompts, completions) -> list[float]:                           # only what it asks for
+
+One finite float per completion; None counts as 0 (TRL's "does not apply"). The keyword arguments, one value per
+completion: ``prompts`` (the dataset's prompt, as TRL passes it: the question text, or for a conversational row
+its list of messages; not the chat-templated string), ``completions`` (text; for a conversational row TRL's
+``[{"role": "assistant", "content": text}]``), ``completion_ids`` (token ids), ``answers`` (the gold answers), and
+the data columns: the question under ``data.question_field``'s name, the gold answer under ``data.answer_field``'s
+name and each metadata key of the examples (``level``, ``family``, and a file's other columns). A function with
+``**kwargs`` gets all of them, any other only the parameters it names. Its signature is checked when the scorer
+starts (before step 1): a parameter without a default that no argument fills is a RewardError naming what is
+passed.
+
+Values are used as returned (nothing is clamped) and weighted by ``reward.function_weights`` (1.0 each by
+default). The total reward of a rollout is::
+
+    total = correctness_weight * correct + format_weight * format + sum_k weight_k * f_k
+
+A user function that fails on its FIRST call (raises, returns the wrong number of values or non-numeric ones,
+runs longer than ``reward.timeout_s``, or kills its process) stops the run with a RewardError carrying the
+message: it has never worked, and training on its zeros would be silent garbage. Once it has returned valid
+values, a failing batch scores 0 for the affected rollouts (all of the batch, or just the non-finite entries),
+logs a throttled warning naming the function and increments ``RewardScorer.warning_count``: the run goes on.
+
+Isolation, exactly: user functions are imported and run ONLY in one persistent worker process (multiprocessing
+"spawn": a fresh interpreter, which inherits ``sys.path``, the working directory and the environment); the
+trainer process never imports them. That is a crash and hang guard, not a sandbox. What it protects: the trainer
+survives user code that raises, calls ``os._exit`` / ``sys.exit`` or segfaults (at import or in a call), and a
+call that hangs past ``reward.timeout_s`` (the worker is terminated, then killed, and a fresh one started for the
+next call). What it does not: the worker runs as the same user with the same files, network, environment
+variables and credentials; it can read and write anything the trainer can, start processes of its own with
+``subprocess`` or ``os.fork`` (only ``multiprocessing`` children are refused, it is a daemon process) and those are
+not killed with it; it can use up memory, CPU and disk. Trust reward code as you trust the training script. With
+``reward.timeout_s: 0`` the functions are imported and run in the trainer process itself (no guard at all; for
+debugging). Scripts that create a RewardScorer need an ``if __name__ == "__main__":`` guard (spawn re-imports the
+main script).
+
+Where the code is: answers.py (the answer check: boxed extraction, math-verify, correctness, format; torch-free),
+reward_worker.py (loading user functions, their signature check, the isolated worker), this module (the scorer and
+the data columns; it re-exports the public names of the other two).
+
+math-verify always runs in the main process. Its timeouts use ``signal.alarm``, which only works in the main
+thread; from other threads it is called with its timeouts disabled.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import RewardError
+from .answers import correctness, format_reward
+from .worker import STANDARD_KWARGS, Worker, call_user_fn, load_all
+
+log = logging.getLogger(__name__)
+
+_LOG_FIRST = 5  # warnings logged per user function before throttling kicks in
+_LOG_EVERY = 50  # after that, one warning line per this many
+
+
+def column_names(examples, data_cfg) -> list[str]:
+    """The names ``example_columns`` gives for these examples (what user functions may ask for beyond
+    STANDARD_KWARGS)."""
+    names = [data_cfg.question_field, data_cfg.answer_field, *(str(k) for ex in examples for k in (ex.meta or {}))]
+    return [n for n in dict.fromkeys(names) if n and n not in STANDARD_KWARGS]
+
+
+def example_columns(examples, data_cfg, repeat: int = 1) -> dict[str, list]:
+    """The data columns passed to user functions, one value per completion (each example `repeat` times): the
+    question under data.question_field's name, the gold answer under data.answer_field's name, and each metadata
+    key of the examples (level, family, ...; None where an example lacks it). Names that clash with
+    STANDARD_KWARGS are left out."""
+    cols: dict[str, list] = {}
+
+    def put(name: str, values: list) -> None:
+        if name and name not in STANDARD_KWARGS and name not in cols:
+            cols[name] = [v for v in values for _ in range(repeat)]
+
+    put(data_cfg.question_field, [ex.question for ex in examples])
+    put(data_cfg.answer_field, [ex.answer for ex in examples])
+    for key in dict.fromkeys(k for ex in examples for k in (ex.meta or {})):
+        put(str(key), [(ex.meta or {}).get(key) for ex in examples])
+    return cols
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the scorer
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class RewardBatch:
+    total: list[float]
+    correct: list[float]
+    format: list[float]
+    per_function: dict[str, list[float]] = field(default_factory=dict)  # unweighted values, 0 where they failed
+    warnings: int = 0  # user-function failures in this call
+
+
+class RewardScorer:
+    """Scores completions: ``RewardScorer(cfg.reward, columns)(prompts, completions, answers, ...) -> RewardBatch``.
+
+    `columns`: the names of the data columns the calls will pass (``example_columns``); with STANDARD_KWARGS they
+    are what a user function's parameters may ask for. Constructing the scorer starts the worker and waits until it
+    has imported every function and checked its signature: a bad spec, an import that fails or kills the worker,
+    or a parameter that would get no value raises RewardError here, before training. Use as a context manager
+    (or call close()) to stop the worker."""
+
+    def __init__(self, cfg, columns: Sequence[str] = (), refused_dirs: Sequence = ()):
+        self.cfg = cfg
+        self.refused_dirs = [str(d) for d in refused_dirs]  # nothing is imported from inside these (a resumed run)
+        self.specs: list[str] = list(cfg.functions or [])
+        weights = list(cfg.function_weights or [])
+        if weights and len(weights) != len(self.specs):
+            raise RewardError(f"reward.function_weights: {len(weights)} weights for {len(self.specs)} functions; "
+                              f"give one weight per function or none")
+        self.weights = [float(w) for w in weights] if weights else [1.0] * len(self.specs)
+        self.keys: list[str] = []
+        for spec in self.specs:
+            key, n = spec, 2
+            while key in self.keys:
+                key, n = f"{spec}#{n}", n + 1
+            self.keys.append(key)
+        self.available = list(STANDARD_KWARGS) + [c for c in dict.fromkeys(columns) if c not in STANDARD_KWARGS]
+        self.timeout_s = float(cfg.timeout_s)
+        self.warning_count = 0
+        self.warnings_by_function: dict[str, int] = {k: 0 for k in self.keys}
+        self._proven: set[str] = set()  # functions that returned valid values at least once
+        self._fns: dict = {}  # in-process mode only (reward.timeout_s: 0)
+        self._worker: Worker | None = None
+        self._closed = False
+        unique = list(dict.fromkeys(self.specs))
+        if not unique:
+            return
+        if self.timeout_s <= 0:  # asked for: user code in this process, no isolation
+            self._fns, errors = load_all(unique, self.available, self.refused_dirs)
+        else:
+            self._worker = Worker(unique, self.available, self.refused_dirs)
+            err = self._worker.wait_ready()
+            if err:
+                self.close()
+                raise RewardError(f"reward.functions: {err}; nothing was trained. Run the import by hand "
+                                  f"(python -c 'import MODULE') to see why")
+            errors = self._worker.errors
+        if errors:
+            self.close()
+            raise RewardError("; ".join(errors.values()))
+
+    # -- user functions --------------------------------------------------------------------------------------
+    def _warn(self, key: str, message: str) -> None:
+        self.warning_count += 1
+        self.warnings_by_function[key] += 1
+        n = self.warnings_by_function[key]
+        if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
+            extra = "" if n < _LOG_FIRST else f" ({n} warnings for this function so far; further ones are throttled)"
+            log.warning("reward function %s %s; its reward is 0 for the affected rollouts%s", key, message, extra)
+
+    def _run_user_fn(self, spec, kwargs: dict) -> tuple[str, Any]:
+        if self.timeout_s <= 0:
+            return call_user_fn(*self._fns[spec], kwargs)
+        if self._worker is None:
+            self._worker = Worker(list(dict.fromkeys(self.specs)), self.available, self.refused_dirs)
+        status, payload = self._worker.call(spec, kwargs, self.timeout_s)
+        if status == "dead":
+            self._worker.close(graceful=False)
+            self._worker = None  # a fresh one is spawned on the next call
+            return "error", payload
+        return status, payload
+
+    def _failed(self, key: str, spec: str, message: str, n: int) -> tuple[list[float], int]:
+        """A failed call: before the function ever worked it is a bug to fix (RewardError: the run stops), after
+        that one bad batch (0 for its rollouts, a warning, the run goes on)."""
+        if spec not in self._proven:
+            raise RewardError(f"reward function {key} failed on its first call: {message}. The run stops here: a "
+                              f"function that never returned valid rewards would train on zeros. (Once it has "
+                              f"worked, a failing batch scores 0 with a warning and the run goes on.)")
+        self._warn(key, message)
+        return [0.0] * n, 1
+
+    def _score_user_fn(self, key, spec, kwargs: dict) -> tuple[list[float], int]:
+        n = len(kwargs["completions"])
+        status, payload = self._run_user_fn(spec, kwargs)
+        if status != "ok":
+            return self._failed(key, spec, str(payload), n)
+        if len(payload) != n:
+            return self._failed(key, spec, f"returned {len(payload)} values for {n} completions", n)
+        self._proven.add(spec)
+        vals, bad = [], []
+        for i, v in enumerate(payload):
+            if v is None:
+                vals.append(0.0)
+            elif not math.isfinite(v):
+                vals.append(0.0)
+                bad.append(i)
+            else:
+                vals.append(v)
+        if bad:
+            self._warn(key, f"returned non-finite values at {len(bad)} of {n} positions (first: index {bad[0]}, "
+                            f"value {payload[bad[0]]})")
+            return vals, 1
+        return vals, 0
+
+    # -- public ----------------------------------------------------------------------------------------------
+    def __call__(self, prompts: list, completions: list[str], answers: list[str],
+                 columns: dict[str, list] | None = None, completion_ids: list | None = None) -> RewardBatch:
+        """Score a batch; `prompts` are the dataset's prompts (``Example.prompt``: text, or a list of messages),
+        `columns` (``example_columns``) and `completion_ids` go to the user functions that ask for them, one value
+        per completion."""
+        if self._closed:
+            raise RuntimeError("RewardScorer is closed")
+        n = len(completions)
+        if len(prompts) != n or len(answers) != n:
+            raise ValueError(f"RewardScorer: {len(prompts)} prompts, {n} completions and {len(answers)} answers; "
+                             f"they must be the same length")
+        extra = {k: list(v) for k, v in (columns or {}).items() if k not in STANDARD_KWARGS}
+        if completion_ids is not None:
+            extra["completion_ids"] = [list(c) for c in completion_ids]
+        for k, v in extra.items():
+            if len(v) != n:
+                raise ValueError(f"RewardScorer: column {k!r} has {len(v)} values for {n} completions")
+        cfg = self.cfg
+        correct = [correctness(c, a, cfg.require_boxed) for c, a in zip(completions, answers)]
+        fmt = [format_reward(c) for c in completions]
+        total = [cfg.correctness_weight * c + cfg.format_weight * f for c, f in zip(correct, fmt)]
+        per_function: dict[str, list[float]] = {}
+        warnings = 0
+        if self.specs:
+            # TRL's convention: a conversational prompt (a list of messages) gets its completion as messages too
+            user_completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                                for p, c in zip(prompts, completions)]
+            kwargs = {"prompts": list(prompts), "completions": user_completions, "answers": list(answers), **extra}
+            for key, spec, w in zip(self.keys, self.specs, self.weights):
+                vals, nw = self._score_user_fn(key, spec, kwargs)
+                warnings += nw
+                per_function[key] = vals
+                total = [t + w * v for t, v in zip(total, vals)]
+        return RewardBatch(total=total, correct=correct, format=fmt, per_function=per_function, warnings=warnings)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    def __enter__(self) -> "RewardScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # best effort; daemon workers also die with the parent
+        try:
+            if self._worker is not None:
+                self._worker.close(graceful=False)
+        except Exception:
+            pass

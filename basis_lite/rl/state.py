@@ -1,0 +1,145 @@
+"""Resuming a run: what it decided when it started (`stored_decisions`), and the newest checkpoint whose content
+checks out (`resume_from`: adapter tensors, trainer state, RNG, optimizer moments, data position, history), each
+unusable one logged and skipped. Used by trainer.setup."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..data import PromptSampler
+from ..estimators.basis_mix import ValueTracker, selection_probability
+from ..estimators.probe import ReplayBuffer
+from ..runs import checkpoint as ckpt
+from ..runtime import DECIDED_FILE, read_decided
+from ..safeio import read_json
+from .update import make_optimizer, make_scheduler
+
+log = logging.getLogger("basis_lite")
+
+
+def stored_decisions(run_dir: Path) -> dict | None:
+    """What the run decided when it started (`runtime.Decided`): RUN_DIR/decided.json, else the newest intact
+    checkpoint's copy; None for a run that stored none (it decides again)."""
+    try:
+        found = read_decided(read_json(run_dir / DECIDED_FILE, DECIDED_FILE))
+    except ValueError:
+        found = None
+    if found is None:
+        last = ckpt.latest_checkpoint(run_dir, quiet=True)
+        if last is not None:
+            try:
+                found = read_decided(read_json(last / ckpt.STATE_JSON).get("decided"))
+            except (ValueError, AttributeError):
+                found = None
+    return found
+
+
+def resume_from(run, train_ex) -> Path | None:
+    """Restore the newest checkpoint whose content is usable (`check_checkpoint`); each newer intact one that is
+    not is logged with the reason and skipped, as a damaged one is. None when none is usable (the run starts again
+    from step 0: the adapter as initialised, a fresh optimizer)."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    name = run.model.active_adapter
+    expected = get_peft_model_state_dict(run.model, adapter_name=name)
+    initial = {k: v.detach().clone() for k, v in expected.items()}
+    for last in ckpt.intact_checkpoints(run.run_dir):
+        try:
+            tensors, state = check_checkpoint(run, last, expected, train_ex)
+            set_peft_model_state_dict(run.model, tensors, adapter_name=name)
+            restore(run, state)
+        except ckpt.Unusable as e:
+            log.warning("skipping checkpoint %s: %s", last, e)
+            _fresh_state(run, train_ex, initial, name)
+            continue
+        log.info("resumed from %s at step %d", last, run.step)
+        return last
+    return None
+
+
+def _fresh_state(run, train_ex, initial: dict, adapter_name: str) -> None:
+    """Undo a partly applied checkpoint: the initial adapter weights, a fresh optimizer, schedule, data position,
+    history, replay buffer, estimator state and value tracker."""
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(run.model, initial, adapter_name=adapter_name)
+    run.optimizer = make_optimizer(run.cfg, run.model, run.device)
+    run.scheduler = make_scheduler(run.cfg, run.optimizer)
+    run.sampler = PromptSampler(train_ex, run.cfg.train.batch_size, seed=run.cfg.train.seed)
+    run.history, run.step, run.bad_steps = {}, 0, 0
+    fresh_learning_state(run)
+
+
+def fresh_learning_state(run) -> None:
+    """The state the estimator and the sampler learn across steps, as at step 0: the replay buffer, the estimator's
+    own state (BASIS mix), and the value tracker that prompt selection by value reads."""
+    cfg = run.cfg
+    capacity = run.estimator.replay_capacity(cfg.estimator.options) if run.estimator.replay_capacity else None
+    run.replay = ReplayBuffer(capacity) if capacity else None
+    run.est_state = run.estimator.make_state(cfg.estimator.options)
+    run.value_tracker = None
+    if cfg.data.value_sampling > 0:
+        run.value_tracker = ValueTracker(decay=0.9)
+        run.sampler.accept = selection_probability(run.value_tracker, cfg.data.value_sampling)
+
+
+def check_checkpoint(run, last: Path, expected: dict, train_ex) -> tuple[dict, dict]:
+    """(adapter tensors, trainer state) of an intact checkpoint once its content is checked; Unusable naming the
+    first problem: adapter tensors missing, extra, misshapen or not finite; a state that does not parse or is
+    nested too deep; a step that is not the folder's or lies outside [1, train.steps]; RNG states that cannot be
+    set; optimizer moments that do not fit the parameters. A checkpoint of other data is a DataError (every
+    checkpoint of the run has it)."""
+    tensors = ckpt.load_adapter_tensors(last / "adapter")
+    ckpt.check_adapter_tensors(tensors, expected)
+    state = ckpt.load_state(last)
+    if not isinstance(state, dict):
+        raise ckpt.Unusable("the trainer state is not a mapping")
+    step = ckpt.check_int(state.get("step"), "step", 1, run.cfg.train.steps)
+    if step != ckpt.step_of(last):
+        raise ckpt.Unusable(f"its state says step {step}, its folder name step {ckpt.step_of(last)}")
+    ckpt.check_int(state.get("bad_steps", 0), "bad_steps", 0, run.cfg.train.max_bad_steps)
+    ckpt.check_rng_state(state.get("rng"))
+    ckpt.check_optimizer_state(state.get("optimizer"), [p for p in run.model.parameters() if p.requires_grad])
+    sampler = state.get("sampler")
+    if not isinstance(sampler, dict):
+        raise ckpt.Unusable("no data position (sampler state)")
+    for key in ("epoch", "position"):
+        ckpt.check_int(sampler.get(key), f"sampler {key}", 0, 2**62)
+    run.sampler.check_state(sampler, run.cfg.data.dataset)  # DataError: the data changed since the checkpoint
+    history = state.get("history", {})
+    if not isinstance(history, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and x >= 0 for x in v)
+            for v in history.values()):
+        raise ckpt.Unusable("the per-prompt history is not {prompt id: [successes, rollouts]}")
+    return tensors, state
+
+
+def restore(run, state: dict) -> None:
+    """Apply a checked trainer state; Unusable when a part of it does not load."""
+    try:
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.sampler.load_state_dict(state["sampler"])
+        run.history = state.get("history", {})
+        if run.replay is not None and state.get("replay") is not None:
+            run.replay.load_state_dict(state["replay"])
+        if run.est_state is not None and state.get("estimator_state") is not None:
+            run.est_state.load_state_dict(state["estimator_state"])
+        if run.value_tracker is not None and state.get("value_tracker") is not None:
+            run.value_tracker.load_state_dict(state["value_tracker"])
+        if run.scaler is not None and state.get("scaler"):
+            run.scaler.load_state_dict(state["scaler"])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+        raise ckpt.Unusable(f"the trainer state does not load ({type(e).__name__}: {str(e)[:200]})") from None
+    run.step, run.bad_steps = state["step"], state.get("bad_steps", 0)
+    was = state.get("rng_mode", "global")
+    if was != ("per_prompt" if run.per_prompt_rng else "global"):
+        log.warning("the checkpoint's rollouts came from %s sampling streams, this run uses %s ones "
+                    "(generation.rng): the resumed run will not repeat the interrupted one", was,
+                    "per_prompt" if run.per_prompt_rng else "global")
+    elif state.get("ranks", 1) != run.ranks.world:
+        log.info("resuming a %d-rank run on %d ranks (per-prompt streams: the same rollouts, up to float rounding)",
+                 state.get("ranks", 1), run.ranks.world)
+    run.summary["eval_before"] = state.get("eval_before")
+    ckpt.set_rng_state(state["rng"])
+    run.metrics.resume(run.step)
