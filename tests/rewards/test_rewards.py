@@ -8,16 +8,10 @@ from pathlib import Path
 import pytest
 
 from basis_lite.config import RewardConfig
-from basis_lite.rewards.scorer import (
-    RewardError,
-    RewardScorer,
-    correctness,
-    extract_boxed,
-    format_reward,
-    gold_is_parseable,
-    load_reward_function,
-    parse_gold,
-)
+from basis_lite.errors import RewardError
+from basis_lite.rewards.answers import correctness, extract_boxed, format_reward, gold_is_parseable, parse_gold
+from basis_lite.rewards.scorer import RewardScorer
+from basis_lite.rewards.worker import load_reward_function
 
 # the helper module is imported by module path, here and in the spawned reward worker (which inherits sys.path)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -112,7 +112,7 @@ def test_resume_never_imports_a_module_from_the_run_folder(tmp_path, monkeypatch
 
 
 def test_a_module_outside_the_refused_folder_still_loads(tmp_path, monkeypatch):
-    from basis_lite.rewards.scorer import load_reward_function
+    from basis_lite.rewards.worker import load_reward_function
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "outside_rewards.py").write_text("def g(completions, **kw):\n    return [1.0]\n")
