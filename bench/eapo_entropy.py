@@ -12,7 +12,7 @@ per-token entropy, the share of tokens and of completions above candidate thresh
 above `eapo.entropy_threshold` is the share of critical decision points; times `eapo.injection_rate` it is the
 expected share of injected tokens.
 
-Writes bench/results/eapo_entropy.{json,md} (unless --no-write). Minutes on 2 cores for the default (model load,
+Writes bench/results/eapo_entropy/eapo_entropy.{json,md} (unless --no-write). Minutes on 2 cores for the default (model load,
 two generations of 32 prompts).
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--levels", default="1,2,3;4,5", help="level sets separated by ';' (default 1,2,3;4,5)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "eapo_entropy"))
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     from provenance import provenance

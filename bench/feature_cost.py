@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--out", default=str(RESULTS / "feature_cost"), help="output prefix (.json, .md)")
+    ap.add_argument("--out", default=str(RESULTS / "feature_cost" / "feature_cost"), help="output prefix (.json, .md)")
     a = ap.parse_args(argv)
 
     import torch

@@ -26,7 +26,7 @@ an optimizer step bumps it), so each call pays what it pays after a real update:
 and vLLM loads it, the merged arm pushes the weights, the fast path rebuilds its copies. The merged arm's push
 time is also reported on its own (`push_s`).
 
-Writes bench/results/generation.json and generation.md (--out to change), with the machine's flags.
+Writes bench/results/generation/generation.json and generation.md (--out to change), with the machine's flags.
 """
 from __future__ import annotations
 
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], dest="overrides")
     ap.add_argument("--step", action="store_true", help="also time one whole training step each way")
     ap.add_argument("--vllm", action="store_true", help="also vLLM with a LoRA request and with merged weights")
-    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--out", default=str(HERE / "results" / "generation"))
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
     if a.vllm:  # vLLM in this process, loopback only, quiet

@@ -13,7 +13,8 @@ on all linear layers, 64 completions x exactly 256 new tokens per step:
 Each variant runs in its own process (Unsloth patches transformers on import; peaks stay separate). Per variant:
 generation seconds and training seconds per step (mean over the measured steps, after one warm-up step), peak
 GPU memory (torch max_memory_allocated, and the device's used memory at the end), and basis-lite's `plan` estimate
-for the same config next to it. Prints a table; writes bench/results/gpu_step.json (and $OUT/gpu_step.json).
+for the same config next to it. Prints a table; writes bench/results/gpu_step/gpu_step.json (and
+$OUT/gpu_step.json).
 
 Run it on the device machine (an offline H200 with Python 3.12, torch 2.11 and transformers 5.17):
     here, once:  fetch the GPU wheels into .whl/ (git-ignored) with the device machine's wheel script
@@ -58,7 +59,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="steps per variant; the first is a warm-up (default 3)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--model-dir", default=None, help="reuse a saved random-init model folder")
-    ap.add_argument("--out", default=None, help="folder for gpu_step.json (also written to bench/results/)")
+    ap.add_argument("--out", default=None, help="folder for gpu_step.json (also written to bench/results/gpu_step/)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: run the basis-hf path on builtin:tiny-random (4 prompts x 8 tokens), no 4-bit")
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # child process: run one variant
@@ -319,7 +320,7 @@ def write_results(rows: list[dict], args, meta: dict) -> list[Path]:
     outs = []
     targets = [Path(args.out)] if args.out else []
     if not args.dry_run:
-        targets.append(REPO / "bench" / "results")
+        targets.append(REPO / "bench" / "results" / "gpu_step")
         if os.environ.get("OUT") and not args.out:
             targets.append(Path(os.environ["OUT"]))
     for folder in targets:

@@ -73,7 +73,7 @@ step with its standard error, each seed's numbers, and the paired per-seed diffe
 
     python bench/learning.py --steps 20 --eval-every 10 --arms basis,reinforce_pp --seeds 0 1 2 --quiet
 
-Issue 22 on the default task (bench/results/learning-default*/; each default-job arm is about 2.5-4 min on 2
+Issue 22 on the default task (bench/results/learning/default*/; each default-job arm is about 2.5-4 min on 2
 cores with avx512_bf16, grpo8_wide about 10 min): five seeds of BASIS as shipped, BASIS with raw advantages,
 REINFORCE++, GRPO and RLOO at equal rollouts, one seed per invocation so that other jobs can run between them; the
 BASIS paper's comparison (GRPO with 8 rollouts for each of the same 32 prompts, 8x the rollouts per step) beside
@@ -82,15 +82,15 @@ BASIS in one invocation:
     for s in 0 1 2 3 4; do python bench/learning.py --steps 20 --eval-every 5 --seeds $s --quiet \
         --arms basis,basis_raw,reinforce_pp,grpo8,rloo2 --runs runs/l22; done
     python bench/learning.py --analyze-only --steps 20 --eval-every 5 --seeds 0 1 2 3 4 \
-        --arms basis,basis_raw,reinforce_pp,grpo8,rloo2 --runs runs/l22 --out bench/results/learning-default
+        --arms basis,basis_raw,reinforce_pp,grpo8,rloo2 --runs runs/l22 --out bench/results/learning/default
     python bench/learning.py --steps 20 --eval-every 5 --seeds 0 --quiet --arms basis,grpo8_wide --runs runs/l22w \
-        --out bench/results/learning-default-wide
+        --out bench/results/learning/default-wide
 
 The held-out split of the default task cannot grow much (level 1 has 100 distinct problems, 50 of them held out),
 so the seeds, not the eval size, set the standard error.
 
-The same arms on the previous default mix (bench/results/learning-add2/, seeds 0-4, about 13 min per seed) and on
-wordproblems (bench/results/learning-wordproblems/, about 35 min per seed), one seed per invocation:
+The same arms on the previous default mix (bench/results/learning/add2/, seeds 0-4, about 13 min per seed) and on
+wordproblems (bench/results/learning/wordproblems/, about 35 min per seed), one seed per invocation:
 
     python bench/learning.py --preset cpu-smollm2-arith-add2 --steps 20 --eval-every 5 --seeds $s --quiet \
         --arms basis,basis_raw,reinforce_pp,grpo8,rloo2 --runs runs/l22add2
@@ -98,7 +98,7 @@ wordproblems (bench/results/learning-wordproblems/, about 35 min per seed), one 
         --set 'data.levels=[1,4,5]' --arms basis,basis_raw,reinforce_pp,grpo8,rloo2 --runs runs/l22wp
 
 (then --analyze-only with all the seeds and the same --preset / --set, and --out the results folder).
-The mix and value-sampling options beside BASIS on the default task (bench/results/learning-mix/, seeds 0-2, run
+The mix and value-sampling options beside BASIS on the default task (bench/results/learning/mix/, seeds 0-2, run
 before normalize became auto, so with raw advantages throughout):
 
     python bench/learning.py --steps 20 --eval-every 5 --seeds $s --quiet --arms basis,basis_mix,basis_value \
@@ -115,9 +115,9 @@ results folders rebuilt with --analyze-only; each results README says which comm
 EAPO (prior on levels 1-3, then levels 4-5 with and without injection, three seeds; about 2 hours on 2 cores):
 
     python bench/learning.py --steps 20 --eval-every 10 --arms eapo_prior,hard,hard_eapo --seeds 0 1 2 --quiet \
-        --out bench/results/eapo
+        --out bench/results/learning/eapo
 
-Outputs: ``--out`` (default bench/results) gets learning.json (per arm: eval points (step, clock_s, eval_accuracy),
+Outputs: ``--out`` (default bench/results/learning) gets learning.json (per arm: eval points (step, clock_s, eval_accuracy),
 prior seconds, final accuracy, settings; the machine), learning.md (table) and learning.png (accuracy vs
 wall-clock). The run folders (checkpoints, metrics.jsonl, summary.json, one log per arm) go to ``--runs`` (default
 runs/bench-learning-<preset>, git-ignored). Resumable per arm: an arm whose run folder holds summary.json is
@@ -749,7 +749,8 @@ def parse_args(argv):
     p.add_argument("--hard-levels", default="4,5", help="data.levels of the hard and hard_eapo arms (default 4,5)")
     p.add_argument("--eapo-prior", default=None,
                    help="hard_eapo: this adapter as the prior instead of the eapo_prior arm's (<runs>/eapo_prior/adapter)")
-    p.add_argument("--out", default=str(RESULTS), help="folder for learning.{json,md,png} (default bench/results)")
+    p.add_argument("--out", default=str(RESULTS / "learning"),
+                   help="folder for learning.{json,md,png} (default bench/results/learning)")
     p.add_argument("--runs", default=None, help="folder for the run folders (default runs/bench-learning-<preset>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every arm (repeatable)")

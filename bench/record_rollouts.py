@@ -16,7 +16,7 @@ the levels); a question the draw revisits (``data.revisit``: level 1 of the defa
 questions) is recorded again as its own prompt, with its own samples, under the id ``ID#k``, so the prompts keep
 the training draw's level shares.
 
-Stored in ``bench/results/rollouts_<family>.npz`` (rewards uint8 [N, S], features float16 [N, D], completion
+Stored in ``bench/results/record_rollouts/rollouts_<family>.npz`` (rewards uint8 [N, S], features float16 [N, D], completion
 lengths uint8, plus a JSON ``meta`` string: questions, answers, levels, settings, timings, the adapter's sha256).
 The file is rewritten after every policy, so an interrupted recording keeps what it finished. ``--max-seconds``
 stops a long policy part-way (exit status 3, the prompts done so far saved); ``--append`` continues it with the
@@ -26,29 +26,29 @@ Note: ``HFEngine.generate(prompts, SamplingParams(n=S))`` with S > 1 hands every
 the first prompts of the chunk (transformers expands the inputs before the prefill; ``feats[p]`` then indexes the
 expanded batch). This script sidesteps it by repeating each prompt S times with n = 1, which is the same compute.
 
-The default task (levels [1, 3, 5]; 2 CPU cores, bf16 as the run was trained; bench/results/value-mse-default/):
+The default task (levels [1, 3, 5]; 2 CPU cores, bf16 as the run was trained; bench/results/value_mse/default/):
 
     python bench/record_rollouts.py --prompts 512 --ref-samples 8 --policy-samples 8 --temps --threads 2 \
-        --dtype bfloat16 --out bench/results/rollouts_arithmetic_default.npz --max-seconds 420
+        --dtype bfloat16 --out bench/results/record_rollouts/rollouts_arithmetic_default.npz --max-seconds 420
     python bench/record_rollouts.py --prompts 512 --ref-samples 8 --policy-samples 8 --temps --threads 2 \
-        --dtype bfloat16 --out bench/results/rollouts_arithmetic_default.npz --max-seconds 420 --append \
+        --dtype bfloat16 --out bench/results/record_rollouts/rollouts_arithmetic_default.npz --max-seconds 420 --append \
         --adapter runs/l22/seed0/basis/checkpoints/step-000010/adapter     # each repeated until it exits 0
 
 (the adapter: the BASIS arm of ``bench/learning.py`` on the default preset, seed 0, after 10 of 20 steps; 233 s +
-260 s of sampling, bench/results/value-mse-default/README.md).
+260 s of sampling, bench/results/value_mse/default/README.md).
 
 The recordings of the previous task (the default preset then, now ``cpu-smollm2-arith-add2``: levels [1, 2, 3],
 no revisits; generate(), before the fast path (``--engine generate`` samples as they did); 2 CPU cores,
 2026-11-30; 34 + 27 + 34 minutes):
 
     python bench/record_rollouts.py --preset cpu-smollm2-arith-add2 --prompts 512 --ref-samples 8 \
-        --policy-samples 8 --temps 0.7 --threads 2 --out bench/results/rollouts_arithmetic.npz
+        --policy-samples 8 --temps 0.7 --threads 2 --out bench/results/record_rollouts/rollouts_arithmetic.npz
     python bench/record_rollouts.py --preset cpu-smollm2-arith-add2 --prompts 512 --ref-samples 8 \
-        --policy-samples 8 --temps 0.7 --threads 2 --out bench/results/rollouts_arithmetic.npz \
+        --policy-samples 8 --temps 0.7 --threads 2 --out bench/results/record_rollouts/rollouts_arithmetic.npz \
         --append --adapter runs/bench-learning-cpu-smollm2-arith/seed0/basis/checkpoints/step-000010/adapter
     python bench/record_rollouts.py --preset cpu-smollm2-arith-add2 --family wordproblems --levels 1 2 4 6 \
         --prompts 256 --ref-samples 6 --policy-samples 6 --temps 0.7 --max-new-tokens 80 --threads 2 --batch 96 \
-        --out bench/results/rollouts_wordproblems.npz
+        --out bench/results/record_rollouts/rollouts_wordproblems.npz
 
 (each adapter is the BASIS arm of ``bench/learning.py --seeds 0`` after 10 of its 20 steps: a policy mid-training).
 On a GPU the same takes minutes: ``--device cuda --dtype bfloat16 --batch 512``.
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--offset", type=int, default=0, help="skip the first OFFSET train examples (record in chunks)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="", help="default bench/results/rollouts_<family>.npz")
+    ap.add_argument("--out", default="", help="default bench/results/record_rollouts/rollouts_<family>.npz")
     ap.add_argument("--label", default=None,
                     help="the name bench/value_mse.py gives this recording's scenarios (files with one label are "
                          "concatenated); default: the file name after rollouts_ (rollouts_arithmetic.npz: arithmetic)")
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
 
     t_start = time.time()
     deadline = None if a.max_seconds is None else t_start + a.max_seconds
-    out = Path(a.out) if a.out else RESULTS / f"rollouts_{a.family}.npz"
+    out = Path(a.out) if a.out else RESULTS / "record_rollouts" / f"rollouts_{a.family}.npz"
     out.parent.mkdir(parents=True, exist_ok=True)
     overrides = [f"data.dataset={a.family}"]
     if a.levels is not None:

@@ -16,7 +16,7 @@ each rollout's trajectory feature, engines/trajectory.py):
 Extra samples are drawn with the torch RNG saved and restored around them, and trajectory capture changes no
 sampled token (tests/engines/test_trajectory.py), so the training run itself is the run the preset makes without recording.
 An estimator at step t may use the training steps s < t (its replay buffer) and one or two of the K samples of each
-probe prompt at step t (the current batch); the rest are the truth. Stored in ``bench/results/trajectories_<family>.npz``
+probe prompt at step t (the current batch); the rest are the truth. Stored in ``bench/results/record_trajectories/trajectories_<family>.npz``
 (rewards float32, features float16, a JSON ``meta``), rewritten after every step: an interrupted recording keeps
 what it finished (it is not resumed; rerun it from the start).
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--train-siblings", type=int, default=1, help="extra rollouts per training prompt (not trained)")
     ap.add_argument("--runs", default=None, help="run folder (default runs/record-trajectories-<preset>)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
-    ap.add_argument("--out", default="", help="default bench/results/trajectories_<dataset>.npz")
+    ap.add_argument("--out", default="", help="default bench/results/record_trajectories/trajectories_<dataset>.npz")
     a = ap.parse_args(argv)
     if a.samples < 4:
         ap.error("--samples must be >= 4 (two for a 2-rollout estimator, the rest for the truth)")
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     run_dir = Path(a.runs) if a.runs else ROOT / "runs" / f"record-trajectories-{Path(a.preset).stem}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    out = Path(a.out) if a.out else RESULTS / f"trajectories_{cfg.data.dataset}.npz"
+    out = Path(a.out) if a.out else RESULTS / "record_trajectories" / f"trajectories_{cfg.data.dataset}.npz"
     out.parent.mkdir(parents=True, exist_ok=True)
 
     t_start = time.time()

@@ -19,7 +19,7 @@ Value-estimate quality. The baselines of N ranks with b prompts each are those o
 SmolLM2 rollouts with bench/value_mse.py's protocol: the baseline MSE of BASIS (default, no prior) against the
 Monte-Carlo values, as a ratio to REINFORCE++'s batch mean (lower is better), per recorded scenario.
 
-Writes OUT.json and OUT.md (default bench/results/scaling) with the git commit, the CPU and its flags; run logs and
+Writes OUT.json and OUT.md (default bench/results/scaling/scaling) with the git commit, the CPU and its flags; run logs and
 run folders go to OUT-runs/.
 """
 from __future__ import annotations
@@ -94,7 +94,7 @@ def value_quality(global_batches: list[int], resamples: int, seed: int) -> dict:
     import numpy as np
     import value_mse as vm
 
-    paths = sorted(glob.glob(str(RESULTS / "rollouts_*.npz")))
+    paths = sorted(glob.glob(str(RESULTS / "record_rollouts" / "rollouts_*.npz")))
     if not paths:
         return {}
     fams = vm.load_recordings(paths)
@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
     ap.add_argument("--resamples", type=int, default=60, help="value quality: resampled batches at B=32")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(RESULTS / "scaling"), help="output prefix (.json, .md; runs in OUT-runs/)")
+    ap.add_argument("--out", default=str(RESULTS / "scaling" / "scaling"),
+                    help="output prefix (.json, .md; runs in OUT-runs/)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     work = out.parent / f"{out.name}-runs"

@@ -1,6 +1,6 @@
 """Value-estimate MSE of single-rollout baselines (BASIS variants) against REINFORCE++, GRPO group means and RLOO.
 
-Input: recordings from ``bench/record_rollouts.py`` (``bench/results/rollouts_*.npz``: real SmolLM2 rollouts, many
+Input: recordings from ``bench/record_rollouts.py`` (``bench/results/record_rollouts/rollouts_*.npz``: real SmolLM2 rollouts, many
 per prompt, from the reference model and from shifted policies, with the policies' prompt features). No model is
 loaded here: the analysis re-runs from the recording in seconds to a minute.
 
@@ -37,16 +37,16 @@ with REINFORCE++ on the same rows as its reference.
 Per-prompt MSEs are averaged over resamples and then over prompts; ratios to REINFORCE++ carry a paired bootstrap
 90% interval over prompts.
 
-    python bench/value_mse.py                         # all bench/results/rollouts_*.npz -> value_mse.{json,md,png}
-    python bench/value_mse.py bench/results/rollouts_arithmetic_default.npz \
-        --out bench/results/value-mse-default/value_mse      # the default preset's task, a policy mid-training
+    python bench/value_mse.py                         # all bench/results/record_rollouts/rollouts_*.npz -> value_mse.{json,md,png}
+    python bench/value_mse.py bench/results/record_rollouts/rollouts_arithmetic_default.npz \
+        --out bench/results/value_mse/default/value_mse      # the default preset's task, a policy mid-training
     python bench/value_mse.py --resamples 50 --ks 2 4 8 --batch-sizes 32 64 128 256
 
 Online probes on real training trajectories (``bench/record_trajectories.py`` recordings; protocol in
 bench/value_mse_trajectories.py): every estimator at step t reads only steps < t and the current batch.
 
-    python bench/value_mse.py --trajectories          # bench/results/trajectories_*.npz -> value_mse_trajectories.*
-    python bench/value_mse.py --trajectories --kinds add2 --out bench/results/value_mse_trajectories_add2
+    python bench/value_mse.py --trajectories          # bench/results/record_trajectories/trajectories_*.npz -> value_mse_trajectories.*
+    python bench/value_mse.py --trajectories --kinds add2 --out bench/results/value_mse_trajectories/value_mse_trajectories_add2
         # only the probe prompts of the problem kinds the training batches draw (98 % add2 on the default preset)
 """
 from __future__ import annotations
@@ -801,11 +801,11 @@ def analyse(paths: list[str], batch_sizes: list[int], resamples: int, ks: list[i
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recordings", nargs="*", help="default: bench/results/rollouts_*.npz")
+    ap.add_argument("recordings", nargs="*", help="default: bench/results/record_rollouts/rollouts_*.npz")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                     help="default 32 64 128 256 (16 32 64 128 with --trajectories)")
     ap.add_argument("--trajectories", nargs="*", default=None, metavar="NPZ",
-                    help="analyse trajectory recordings instead (default: bench/results/trajectories_*.npz)")
+                    help="analyse trajectory recordings instead (default: bench/results/record_trajectories/trajectories_*.npz)")
     ap.add_argument("--buffer-size", type=int, default=4096, help="--trajectories: replay buffer rows")
     ap.add_argument("--min-rows", type=int, default=None,
                     help="--trajectories: buffer rows every probe needs before use (default: each variant's own)")
@@ -819,23 +819,24 @@ def main(argv=None) -> int:
     ap.add_argument("--mix-steps", type=int, default=MIX_STREAM_STEPS,
                     help="steps per simulated run of the basis:mix row (the second half scored)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(RESULTS / "value_mse"), help="output prefix (.json, .md, .png)")
+    ap.add_argument("--out", default=str(RESULTS / "value_mse" / "value_mse"), help="output prefix (.json, .md, .png)")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
     cmd = "python bench/value_mse.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if a.trajectories is not None:
         import value_mse_trajectories as vt
 
-        paths = a.trajectories or sorted(glob.glob(str(RESULTS / "trajectories_*.npz")))
+        paths = a.trajectories or sorted(glob.glob(str(RESULTS / "record_trajectories" / "trajectories_*.npz")))
         if not paths:
             raise SystemExit("no trajectory recordings: run bench/record_trajectories.py first")
-        out = Path(a.out) if a.out != str(RESULTS / "value_mse") else RESULTS / "value_mse_trajectories"
+        out = Path(a.out) if a.out != str(RESULTS / "value_mse" / "value_mse") else \
+            RESULTS / "value_mse_trajectories" / "value_mse_trajectories"
         variants = None if a.variants is None else [v for v in a.variants if v in vt.PROBE_VARIANTS]
         return vt.main(paths, a.batch_sizes or [16, 32, 64, 128], a.resamples, a.seed, out, a.no_plot, cmd.strip(),
                        a.buffer_size, variants, a.min_rows,
                        [k for k in a.kinds.split(",") if k] if a.kinds else None)
     a.batch_sizes = a.batch_sizes or [32, 64, 128, 256]
-    paths = a.recordings or sorted(glob.glob(str(RESULTS / "rollouts_*.npz")))
+    paths = a.recordings or sorted(glob.glob(str(RESULTS / "record_rollouts" / "rollouts_*.npz")))
     if not paths:
         raise SystemExit("no recordings: run bench/record_rollouts.py first")
     report = analyse(paths, a.batch_sizes, a.resamples, a.ks, a.seed, a.variants, a.default_k, cmd.strip(),

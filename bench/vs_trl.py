@@ -66,7 +66,7 @@ Runtime (2 AVX2 cores, fp32, no other load): a training step of 32 rollouts take
 the default 20 steps with an eval every 5 steps take about 20-30 min per arm, 1-1.5 h for the three. Another
 process on the same cores slows a step many times over (oversubscribed threads): run it on an idle machine.
 
-Outputs (--out, default bench/results; with --quick and no --out: <runs>/quick): vs_trl.json (every eval point,
+Outputs (--out, default bench/results/vs_trl; with --quick and no --out: <runs>/quick): vs_trl.json (every eval point,
 each arm's clock and peak RSS, CPU model and speed-relevant flags, torch/transformers/trl versions, git commit),
 vs_trl.md (table and headline) and vs_trl.png (held-out accuracy against training clock). Run folders, logs and the
 TRL adapters go to --runs (default runs/vs_trl, git-ignored). An arm whose folder holds a result for the same
@@ -843,7 +843,8 @@ def parse_args(argv):
     ap.add_argument("--eval-limit", type=int, help="evaluate only the first N held-out problems (quick checks); "
                                                    "the training split is unchanged")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list from {', '.join(ARMS)}")
-    ap.add_argument("--out", type=Path, help="results folder (default bench/results; with --quick <runs>/quick)")
+    ap.add_argument("--out", type=Path, help="results folder (default bench/results/vs_trl; with --quick "
+                                             "<runs>/quick)")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "vs_trl", help="run folders (default runs/vs_trl)")
     ap.add_argument("--quick", action="store_true", help="plumbing check: --steps 2 --eval-every 1 --eval-limit 8 "
                                                          "unless given, results under the runs folder")
@@ -859,7 +860,7 @@ def parse_args(argv):
         args.eval_limit = 8 if args.eval_limit is None else args.eval_limit
     args.runs = args.runs.resolve()
     if args.out is None:
-        args.out = args.runs / "quick" if args.quick else ROOT / "bench" / "results"
+        args.out = args.runs / "quick" if args.quick else ROOT / "bench" / "results" / "vs_trl"
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     for name in ("steps", "eval_every", "eval_limit"):
         v = getattr(args, name)

@@ -136,4 +136,5 @@ def test_quick_flags_do_not_touch_the_results_folder(vs, tmp_path):
     assert (args.steps, args.eval_every, args.eval_limit) == (2, 1, 8)
     assert args.out == (tmp_path / "r").resolve() / "quick"
     args = vs.parse_args(["--steps", "5", "--arms", "basis,trl4"])
-    assert args.out == ROOT / "bench" / "results" and args.arms == ["basis", "trl4"] and args.eval_limit is None
+    assert args.out == ROOT / "bench" / "results" / "vs_trl" and args.arms == ["basis", "trl4"]
+    assert args.eval_limit is None
