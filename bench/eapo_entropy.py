@@ -12,21 +12,23 @@ per-token entropy, the share of tokens and of completions above candidate thresh
 above `eapo.entropy_threshold` is the share of critical decision points; times `eapo.injection_rate` it is the
 expected share of injected tokens.
 
-Writes bench/results/eapo_entropy/eapo_entropy.{json,md} (unless --no-write). Minutes on 2 cores for the default (model load,
-two generations of 32 prompts).
+Writes bench/results/eapo_entropy/eapo_entropy.{json,md} (unless --no-write). Minutes on 2 cores for the default
+(model load, two generations of 32 prompts).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT, ROOT / "bench"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.lib.paths import results_dir  # noqa: E402
+from bench.lib.provenance import flags_line, machine_record, with_load_after  # noqa: E402
+from bench.lib.report import markdown_table, write_json  # noqa: E402
 
 QUANTILES = (0.5, 0.75, 0.8, 0.9, 0.95, 0.99)
 THRESHOLDS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
@@ -79,17 +81,17 @@ def write_md(report: dict, path: Path) -> None:
              "temperature; entropy of each position's next-token distribution at that temperature, in nats.", ""]
     for r in report["runs"]:
         lines += [f"## levels {r['levels']} ({r['prompts']} prompts, {r['tokens']} tokens, T={r['temperature']})", "",
-                  "| quantile | " + " | ".join(r["quantiles"]) + " |", "|---|" + "---|" * len(r["quantiles"]),
-                  "| entropy | " + " | ".join(f"{v:.3f}" for v in r["quantiles"].values()) + " |", "",
-                  "| threshold | " + " | ".join(r["token_share_at_or_above"]) + " |",
-                  "|---|" + "---|" * len(r["token_share_at_or_above"]),
-                  "| share of tokens >= threshold | " + " | ".join(
-                      f"{v:.3f}" for v in r["token_share_at_or_above"].values()) + " |",
-                  "| share of completions with one | " + " | ".join(
-                      f"{v:.3f}" for v in r["completion_share_with_one"].values()) + " |", ""]
+                  markdown_table(["quantile", *r["quantiles"]],
+                                 [["entropy", *(f"{v:.3f}" for v in r["quantiles"].values())]]), "",
+                  markdown_table(["threshold", *r["token_share_at_or_above"]],
+                                 [["share of tokens >= threshold",
+                                   *(f"{v:.3f}" for v in r["token_share_at_or_above"].values())],
+                                  ["share of completions with one",
+                                   *(f"{v:.3f}" for v in r["completion_share_with_one"].values())]]), ""]
     m = report["machine"]
-    lines += [f"Machine: {m.get('cpu_model', '?')}; commit {m.get('git_commit', '?')}. Command: "
-              f"`{report['command']}`. Generated {report['created']} by bench/eapo_entropy.py.", ""]
+    lines += [f"Machine: {flags_line(m)}; commit {m.get('git_commit', '?')}; load average before / after "
+              f"{m.get('loadavg_before')} / {m.get('loadavg_after')}. Command: `{report['command']}`. Generated "
+              f"{report['created']} by bench/eapo_entropy.py.", ""]
     path.write_text("\n".join(lines))
 
 
@@ -100,15 +102,14 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--levels", default="1,2,3;4,5", help="level sets separated by ';' (default 1,2,3;4,5)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "eapo_entropy"))
+    p.add_argument("--out", default=str(results_dir("eapo_entropy")), help="default bench/results/eapo_entropy")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
-    from provenance import provenance
-
+    machine = machine_record()
     runs = [measure(args.preset, [int(x) for x in ls.split(",")], args.prompts, args.set)
             for ls in args.levels.split(";") if ls.strip()]
     report = {"benchmark": "policy next-token entropy on sampled completions", "preset": args.preset,
-              "set": args.set, "runs": runs, "machine": provenance(),
+              "set": args.set, "runs": runs, "machine": with_load_after(machine),
               "command": "python bench/eapo_entropy.py " + " ".join(argv),
               "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     for r in runs:
@@ -117,8 +118,7 @@ def main(argv=None) -> int:
               ", ".join(f"{t}: {v:.3f}" for t, v in r["token_share_at_or_above"].items()))
     if not args.no_write:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "eapo_entropy.json").write_text(json.dumps(report, indent=2))
+        write_json(out / "eapo_entropy.json", report, indent=2)
         write_md(report, out / "eapo_entropy.md")
         print(f"wrote {out / 'eapo_entropy.json'}, {out / 'eapo_entropy.md'}")
     return 0

@@ -6,24 +6,24 @@ order (the capture changes no sampled token, so both calls decode the same token
 each, their ratio, and the time the capture itself measured (hook + logits processor + the features at the end).
 ``completion_hidden_states`` (what the vLLM engine runs after vLLM's generate) is timed on the same rollouts.
 
-    python bench/feature_cost.py                       # default preset, 32 prompts, 3 repeats -> feature_cost.{json,md}
+    python bench/feature_cost.py         # default preset, 32 prompts, 3 repeats -> bench/results/feature_cost/
     python bench/feature_cost.py --preset smoke --prompts 8 --repeats 1 --out runs/fc   # plumbing check, seconds
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT, ROOT / "bench"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-RESULTS = ROOT / "bench" / "results"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.lib.paths import results_dir  # noqa: E402
+from bench.lib.provenance import flags_line, machine_record, with_load_after  # noqa: E402
+from bench.lib.report import write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -33,11 +33,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--out", default=str(RESULTS / "feature_cost" / "feature_cost"), help="output prefix (.json, .md)")
+    ap.add_argument("--out", default=str(results_dir("feature_cost") / "feature_cost"),
+                    help="output prefix (.json, .md; default bench/results/feature_cost/feature_cost)")
     a = ap.parse_args(argv)
 
     import torch
-    from provenance import provenance
 
     from basis_lite.config import load_config
     from basis_lite.data import format_prompt, load_examples
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     prompts = [format_prompt(tok, ex.question, cfg.data) for ex in exs]
     params = params_from_config(cfg.generation, n=1)
     plain_s, traj_s, capture_s, early_exit_s, tokens = [], [], [], [], []
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    machine = machine_record()
     for rep in range(a.repeats):
         for with_traj in ((False, True) if rep % 2 == 0 else (True, False)):
             torch.manual_seed(1000 + rep)
@@ -82,8 +82,7 @@ def main(argv=None) -> int:
                       "early_exit_forward": med(early_exit_s), "ratio": med(traj_s) / med(plain_s)},
            "min": {"plain": min(plain_s), "with_trajectory": min(traj_s), "capture": min(capture_s),
                    "early_exit_forward": min(early_exit_s), "ratio": min(traj_s) / min(plain_s)},
-           "machine": provenance(), "loadavg_before": load_before,
-           "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
+           "machine": with_load_after(machine)}
     m, lo = rep["median"], rep["min"]
     md = "\n".join([
         "# Trajectory features: cost per step", "",
@@ -104,11 +103,10 @@ def main(argv=None) -> int:
         "The capture's own time is measured inside its logits processor and the feature assembly (the layer hook "
         "only keeps a reference to one row of states per step): it is what the features add to a step. The "
         "side-by-side wall-clock difference also holds whatever else the shared cores ran in between.", "",
-        f"Machine: {rep['machine'].get('cpu_model', '?')}, {rep['machine'].get('cores')} cores; load average "
-        f"before {rep['loadavg_before']}, after {rep['loadavg_after']}.", ""])
+        f"Machine: {flags_line(rep['machine'])}; load average before {rep['machine']['loadavg_before']}, after "
+        f"{rep['machine']['loadavg_after']}.", ""])
     out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rep, indent=1))
+    write_json(out.with_suffix(".json"), rep)
     out.with_suffix(".md").write_text(md)
     print(md)
     return 0

@@ -36,11 +36,14 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
-from provenance import flags_line, provenance  # noqa: E402
+from bench.lib.paths import results_dir  # noqa: E402
+from bench.lib.provenance import flags_line, machine_record, with_load_after  # noqa: E402
+from bench.lib.report import markdown_table, write_json  # noqa: E402
+from bench.lib.steps import make_run_state  # noqa: E402
 
 
 def _batch(cfg, tok):
@@ -144,8 +147,6 @@ def measure_step(preset: str, dtype_name: str, overrides: list[str]) -> dict:
     """One default training step (rollout, rewards, advantages, update) per engine mode, a fresh model each."""
     import tempfile
 
-    from cpu_step import make_run_state
-
     from basis_lite import trainer
     from basis_lite.config import load_config
     from basis_lite.engines.hf import HFEngine
@@ -193,42 +194,38 @@ def measure_step(preset: str, dtype_name: str, overrides: list[str]) -> dict:
 
 
 def write(out_dir: Path, result: dict) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "generation.json").write_text(json.dumps(result, indent=1))
-    info = result["provenance"]
+    write_json(out_dir / "generation.json", result)
+    m = result["machine"]
     lines = ["# Rollout speed on the CPU: the engines side by side (bench/generation.py)", "",
-             f"- CPU: {flags_line(info)}",
-             f"- torch {info.get('torch')}, {result['dtypes'][0]['threads'] if result['dtypes'] else '?'} threads; "
-             f"git {info['git_commit'][:12]}{' plus uncommitted changes' if info['git_dirty'] else ''}",
-             f"- command: `{result['command']}`; load average before / after: {result['load_before']} / "
-             f"{result['load_after']}",
-             "- Method: the docstring of bench/generation.py. Best of the repeats; the cores may have been shared.", "",
-             "| dtype | engine | batch | s | sampled tokens | finished | tok/s | speed vs generate() | vs fast path |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"- CPU: {flags_line(m)}",
+             f"- torch {m.get('torch')}, {result['dtypes'][0]['threads'] if result['dtypes'] else '?'} threads; "
+             f"git {m['git_commit'][:12]}{' plus uncommitted changes' if m['git_dirty'] else ''}",
+             f"- command: `{result['command']}`; load average before / after: {m['loadavg_before']} / "
+             f"{m['loadavg_after']}",
+             "- Method: the docstring of bench/generation.py. Best of the repeats; the cores may have been shared.", ""]
+    rows = []
     for d in result["dtypes"]:
         for name in [n for n in ENGINE_LABELS if n in d["best"]]:
             b = d["best"][name]
-            sp = "-" if name == "generate" else f"{d['vs_generate'][name]:.2f}x"
-            sf = "-" if name == "fast" else f"{d['vs_fast'][name]:.2f}x"
             push = f" (push {b['push_s']:.2f} s)" if b.get("push_s") else ""
-            lines.append(f"| {d['dtype']} | {ENGINE_LABELS[name]} | {d['prompts']} x "
-                         f"{d['rollouts_per_prompt']}, {d['max_new_tokens']} new, T={d['temperature']} | "
-                         f"{b['seconds']:.2f}{push} | {b['tokens']} | {b['finished']}/{b['rows']} | {b['tok_s']:.1f} | "
-                         f"{sp} | {sf} |")
-    lines += ["", "| dtype | weight copies: build s (per call) | weight copies MB (during rollouts only) | KV cache MB (upper "
-              "bound) |",
-              "|---|---|---|---|"]
-    for d in result["dtypes"]:
-        lines.append(f"| {d['dtype']} | {d['merge_s']:.3f} | {d['merged_extra_mb']:.0f} | "
-                     f"{d['kv_cache_mb_upper']:.0f} |")
+            rows.append([d["dtype"], ENGINE_LABELS[name], f"{d['prompts']} x {d['rollouts_per_prompt']}, "
+                         f"{d['max_new_tokens']} new, T={d['temperature']}", f"{b['seconds']:.2f}{push}", b["tokens"],
+                         f"{b['finished']}/{b['rows']}", f"{b['tok_s']:.1f}",
+                         "-" if name == "generate" else f"{d['vs_generate'][name]:.2f}x",
+                         "-" if name == "fast" else f"{d['vs_fast'][name]:.2f}x"])
+    lines += [markdown_table(("dtype", "engine", "batch", "s", "sampled tokens", "finished", "tok/s",
+                              "speed vs generate()", "vs fast path"), rows), ""]
+    lines.append(markdown_table(
+        ("dtype", "weight copies: build s (per call)", "weight copies MB (during rollouts only)",
+         "KV cache MB (upper bound)"),
+        [[d["dtype"], f"{d['merge_s']:.3f}", f"{d['merged_extra_mb']:.0f}", f"{d['kv_cache_mb_upper']:.0f}"]
+         for d in result["dtypes"]]))
     if result.get("steps"):
-        lines += ["", "## One training step (rollout + rewards + advantages + update)", "",
-                  "| dtype | engine | rollout s | update s | step s | sampled tokens |", "|---|---|---|---|---|---|"]
-        for dt, s in result["steps"].items():
-            for name in ("generate", "fast"):
-                r = s[name]
-                lines.append(f"| {dt} | {'fast path' if name == 'fast' else 'generate()'} | {r['gen_s']:.2f} | "
-                             f"{r['train_s']:.2f} | {r['step_s']:.2f} | {r['tokens']} |")
+        lines += ["", "## One training step (rollout + rewards + advantages + update)", "", markdown_table(
+            ("dtype", "engine", "rollout s", "update s", "step s", "sampled tokens"),
+            [[dt, "fast path" if name == "fast" else "generate()", f"{s[name]['gen_s']:.2f}",
+              f"{s[name]['train_s']:.2f}", f"{s[name]['step_s']:.2f}", s[name]["tokens"]]
+             for dt, s in result["steps"].items() for name in ("generate", "fast")])]
     (out_dir / "generation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -243,20 +240,19 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], dest="overrides")
     ap.add_argument("--step", action="store_true", help="also time one whole training step each way")
     ap.add_argument("--vllm", action="store_true", help="also vLLM with a LoRA request and with merged weights")
-    ap.add_argument("--out", default=str(HERE / "results" / "generation"))
+    ap.add_argument("--out", default=str(results_dir("generation")), help="default bench/results/generation")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
     if a.vllm:  # vLLM in this process, loopback only, quiet
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    machine = machine_record()
     dtypes = [measure_dtype(a.preset, d, a.repeats, a.overrides, a.vllm) for d in a.dtypes.split(",") if d]
     steps = {d: measure_step(a.preset, d, a.overrides) for d in a.dtypes.split(",") if d} if a.step else {}
-    result = {"provenance": provenance(), "command": "python bench/generation.py " + " ".join(argv or sys.argv[1:]),
-              "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()], "dtypes": dtypes,
-              "steps": steps}
+    result = {"machine": with_load_after(machine), "dtypes": dtypes, "steps": steps,
+              "command": "python bench/generation.py " + " ".join(argv or sys.argv[1:])}
     if a.no_write:
-        print(json.dumps({k: v for k, v in result.items() if k != "provenance"}, indent=1)[:4000])
+        print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1)[:4000])
     else:
         write(Path(a.out), result)
     return 0

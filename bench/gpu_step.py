@@ -13,8 +13,7 @@ on all linear layers, 64 completions x exactly 256 new tokens per step:
 Each variant runs in its own process (Unsloth patches transformers on import; peaks stay separate). Per variant:
 generation seconds and training seconds per step (mean over the measured steps, after one warm-up step), peak
 GPU memory (torch max_memory_allocated, and the device's used memory at the end), and basis-lite's `plan` estimate
-for the same config next to it. Prints a table; writes bench/results/gpu_step/gpu_step.json (and
-$OUT/gpu_step.json).
+for the same config next to it. Prints a table; writes bench/results/gpu_step/gpu_step.json (and $OUT/gpu_step.json).
 
 Run it on the device machine (an offline H200 with Python 3.12, torch 2.11 and transformers 5.17):
     here, once:  fetch the GPU wheels into .whl/ (git-ignored) with the device machine's wheel script
@@ -38,9 +37,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-for _p in (REPO, REPO / "bench"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.lib.paths import results_dir  # noqa: E402
+from bench.lib.provenance import machine_record  # noqa: E402
+from bench.lib.report import write_json  # noqa: E402
 
 VARIANTS = ("basis-hf", "basis-unsloth", "basis-unsloth-vllm", "trl-grpo")
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -320,33 +322,21 @@ def write_results(rows: list[dict], args, meta: dict) -> list[Path]:
     outs = []
     targets = [Path(args.out)] if args.out else []
     if not args.dry_run:
-        targets.append(REPO / "bench" / "results" / "gpu_step")
+        targets.append(results_dir("gpu_step"))
         if os.environ.get("OUT") and not args.out:
             targets.append(Path(os.environ["OUT"]))
     for folder in targets:
-        folder.mkdir(parents=True, exist_ok=True)
-        p = folder / ("gpu_step_dryrun.json" if args.dry_run else "gpu_step.json")
-        p.write_text(json.dumps(payload, indent=2, default=str))
-        outs.append(p)
+        outs.append(write_json(folder / ("gpu_step_dryrun.json" if args.dry_run else "gpu_step.json"), payload,
+                               indent=2))
     return outs
 
 
 def environment() -> dict:
-    import platform
-
+    """The machine record (bench/lib/provenance.py) with the packages that matter here, CUDA and the GPU."""
     import torch
-    from provenance import provenance
 
-    info = {**provenance(), "python": platform.python_version(), "torch": torch.__version__,
+    return {**machine_record(("transformers", "peft", "bitsandbytes", "trl", "unsloth", "vllm")),
             "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    for name in ("transformers", "peft", "bitsandbytes", "trl", "unsloth", "vllm"):
-        try:
-            from importlib.metadata import version
-
-            info[name] = version(name if name != "vllm" else "vllm")
-        except Exception:  # noqa: BLE001
-            info[name] = None
-    return info
 
 
 def main(argv=None) -> int:

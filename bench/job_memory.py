@@ -16,8 +16,6 @@ process and not in it (pip's RSS is far below the conversion's).
 from __future__ import annotations
 
 import json
-import os
-import resource
 import sys
 import threading
 import time
@@ -27,12 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE / 2**20
+from bench.lib.recorders import peak_rss_mb, rss_mb  # noqa: E402
 
 
 class PhaseSampler:
@@ -87,7 +80,7 @@ def main(argv: list[str]) -> int:
         rc = e.code
     doc = {"command": "python bench/job_memory.py " + " ".join(argv), "seconds": time.time() - t0, "exit": rc,
            "peaks": {k: round(v) for k, v in sampler.peaks.items()},
-           "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+           "maxrss_mb": round(peak_rss_mb()["ru_maxrss_mb"]),
            "trace": sampler.trace[::10]}
     out.write_text(json.dumps(doc))
     print(json.dumps({"peaks": doc["peaks"], "maxrss_mb": doc["maxrss_mb"], "seconds": round(doc["seconds"])}))

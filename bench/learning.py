@@ -117,10 +117,10 @@ EAPO (prior on levels 1-3, then levels 4-5 with and without injection, three see
     python bench/learning.py --steps 20 --eval-every 10 --arms eapo_prior,hard,hard_eapo --seeds 0 1 2 --quiet \
         --out bench/results/learning/eapo
 
-Outputs: ``--out`` (default bench/results/learning) gets learning.json (per arm: eval points (step, clock_s, eval_accuracy),
-prior seconds, final accuracy, settings; the machine), learning.md (table) and learning.png (accuracy vs
-wall-clock). The run folders (checkpoints, metrics.jsonl, summary.json, one log per arm) go to ``--runs`` (default
-runs/bench-learning-<preset>, git-ignored). Resumable per arm: an arm whose run folder holds summary.json is
+Outputs: ``--out`` (default bench/results/learning) gets learning.json (per arm: eval points (step, clock_s,
+eval_accuracy), prior seconds, final accuracy, settings; the machine record of bench/lib/provenance.py),
+learning.md (table) and learning.png (accuracy vs wall-clock). The run folders (checkpoints, metrics.jsonl,
+summary.json, one log per arm) go to ``--runs`` (default runs/bench-learning-<preset>, git-ignored). Resumable per arm: an arm whose run folder holds summary.json is
 skipped, one with a checkpoint is resumed (``train(resume=True)``), anything else is started afresh; the arm's
 settings are stored next to its folder and a rerun with different settings stops with an error instead of mixing.
 
@@ -145,13 +145,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT, ROOT / "bench"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-RESULTS = ROOT / "bench" / "results"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-# torch is NOT imported in the driver (the arms run in their own processes); only basis_lite.config (yaml) is
+# the arms train in their own processes; the driver reads configs (yaml) and metrics, and imports torch only for the
+# machine record (its version and thread count)
 from basis_lite.config import ConfigError, load_config  # noqa: E402
+from bench.lib.curves import first_point_reaching, read_run  # noqa: E402
+from bench.lib.paths import results_dir, shown  # noqa: E402
+from bench.lib.provenance import flags_line, loadavg, machine_record  # noqa: E402
+from bench.lib.report import fmt_seconds, markdown_table, write_json  # noqa: E402
 
 DEFAULT_ARMS = ("basis", "basis_prior", "reinforce_pp", "grpo8")  # --arms picks the others
 PROBE_ARMS = ("basis_probe", "rloo2", "poise", "poise_wide")
@@ -333,33 +336,8 @@ def worker(spec_path: str) -> int:
 
 @functools.lru_cache(maxsize=1)
 def machine_info() -> dict:
-    """Where this was measured (git commit, CPU model and speed flags, versions); see bench/provenance.py."""
-    from provenance import provenance
-
-    info = provenance()
-    try:
-        from importlib.metadata import version
-
-        for pkg in ("transformers", "peft"):
-            info[pkg] = version(pkg)
-    except Exception:  # noqa: BLE001 - versions are informative only
-        pass
-    return info
-
-
-def _loadavg():
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
-def _shown(path: Path) -> str:
-    """A path as written into results: relative to the repository when inside it (no machine paths in results)."""
-    try:
-        return str(Path(path).resolve().relative_to(ROOT))
-    except ValueError:
-        return Path(path).name
+    """Where this invocation measures (bench/lib/provenance.py's record), read once."""
+    return machine_record()
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
@@ -407,7 +385,7 @@ def run_arm(arm: str, plan: dict, args, runs: Path) -> dict:
     log_path = runs / f"{arm}.log"
     print(f"[{arm}] {'resuming' if resume else 'training'}: {plan['prompts_per_step']} prompts x "
           f"{plan['rollouts_per_prompt']} rollouts, {plan['steps']} steps -> {run_dir}", flush=True)
-    load_before = _loadavg()
+    load_before = loadavg()
     t0 = time.time()
     if args.quiet:
         with open(log_path, "a") as log:
@@ -416,7 +394,7 @@ def run_arm(arm: str, plan: dict, args, runs: Path) -> dict:
         proc = subprocess.run(cmd, cwd=ROOT, env=env)
     wall = time.time() - t0
     info = {"skipped": False, "resumed": resume, "process_wall_s": wall, "loadavg_before": load_before,
-            "loadavg_after": _loadavg(), "returncode": proc.returncode}
+            "loadavg_after": loadavg(), "returncode": proc.returncode}
     if proc.returncode != 0:
         tail = log_path.read_text()[-3000:] if args.quiet and log_path.exists() else ""
         print(f"[{arm}] FAILED (exit {proc.returncode}) after {wall:.0f} s" + (f"; log {log_path}:\n{tail}" if tail
@@ -430,28 +408,6 @@ def run_arm(arm: str, plan: dict, args, runs: Path) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 # analysis: run folders -> per-arm curves
-
-
-def read_run(run_dir: Path) -> tuple[dict[int, dict], list[dict]]:
-    """(step records by step, eval records sorted by step) of a run's metrics.jsonl; a later duplicate wins."""
-    steps: dict[int, dict] = {}
-    evals: dict[tuple, dict] = {}
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return steps, []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a kill
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)):
-            continue
-        if rec.get("event") in ("eval", "eval_final"):
-            if "eval_accuracy" in rec:
-                evals[(int(rec["step"]), rec["event"] == "eval_final")] = rec
-        elif "event" not in rec:
-            steps[int(rec["step"])] = rec
-    return steps, [evals[k] for k in sorted(evals)]
 
 
 def _f(v) -> float:
@@ -506,7 +462,7 @@ def collect_arm(arm: str, runs: Path, plan: dict | None, old: dict | None, run_i
     if plan is not None:
         rec["settings"] = plan
     rec.update({
-        "arm": arm, "description": DESCRIPTIONS.get(arm, arm), "run_dir": _shown(run_dir),
+        "arm": arm, "description": DESCRIPTIONS.get(arm, arm), "run_dir": shown(run_dir),
         "status": "done" if summary else "partial",
         "points": c["points"], "steps": c["steps_done"], "generation_s": c["generation_s"],
         "training_s": c["training_s"], "train_clock_s": c["train_clock_s"],
@@ -527,12 +483,6 @@ def collect_arm(arm: str, runs: Path, plan: dict | None, old: dict | None, run_i
 # report: markdown and PNG
 
 
-def _fmt_clock(s: float) -> str:
-    if s < 10:
-        return f"{s:.2f} s"
-    return f"{s:.0f} s" if s < 600 else f"{s / 60:.1f} min"
-
-
 def _acc(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -543,12 +493,7 @@ def _acc_se(p: dict) -> str:
 
 
 def _machine_line(m: dict) -> str:
-    flags = m.get("cpu_flags") or {}
-    has = " ".join(k for k, v in flags.items() if v) or "?"
-    lacks = " ".join(k for k, v in flags.items() if not v)
-    return (f"{m.get('cpu_model', m.get('cpu', '?'))}, {m.get('cores', m.get('cpu_count', '?'))} cores; flags: {has}"
-            + (f"; without {lacks}" if lacks else "") + f"; torch {m.get('torch', '?')}; commit "
-            f"{str(m.get('git_commit', '?'))[:10]}")
+    return f"{flags_line(m)}; torch {m.get('torch', '?')}; commit {str(m.get('git_commit', '?'))[:10]}"
 
 
 def _machines(report: dict, arms: list[str]) -> dict[str, list[str]]:
@@ -586,8 +531,7 @@ def write_md(report: dict, path: Path) -> None:
                   "settings). Their accuracies are on other eval problems than eapo_prior's.", ""]
     head = ["arm", "rollouts/step", "steps", "train clock", "prior pass", "total clock", "acc before"]
     head += [f"@{s}" for s in eval_steps] + ["acc after"]
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "---|" * len(head))
+    rows = []
     for a in arms:
         r = report["arms"][a]
         st = r.get("settings") or {}
@@ -596,24 +540,26 @@ def write_md(report: dict, path: Path) -> None:
         rps = (f"{st.get('prompts_per_step')}x{st.get('rollouts_per_prompt')}" if st.get("prompts_per_step")
                else "-")
         row = [a + ("" if r.get("status") == "done" else f" ({r.get('status')})"), rps, str(r.get("steps", "-")),
-               _fmt_clock(r.get("train_clock_s", 0.0)),
-               _fmt_clock(r["prior_seconds"]) + (" (cached)" if r.get("prior_cached") else "")
-               if r.get("prior_seconds") else "-", _fmt_clock(r.get("total_clock_s", 0.0)), _acc(r.get("accuracy_before"))]
+               fmt_seconds(r.get("train_clock_s", 0.0)),
+               fmt_seconds(r["prior_seconds"]) + (" (cached)" if r.get("prior_cached") else "")
+               if r.get("prior_seconds") else "-", fmt_seconds(r.get("total_clock_s", 0.0)),
+               _acc(r.get("accuracy_before"))]
         for s in eval_steps:
             p = by.get(s)
-            row.append(f"{_acc_se(p)} ({_fmt_clock(p['clock_s'])})" if p else "-")
-        row.append(f"{_acc_se(fin[-1])} ({_fmt_clock(fin[-1]['clock_s'])})" if fin else "-")
-        lines.append("| " + " | ".join(row) + " |")
+            row.append(f"{_acc_se(p)} ({fmt_seconds(p['clock_s'])})" if p else "-")
+        row.append(f"{_acc_se(fin[-1])} ({fmt_seconds(fin[-1]['clock_s'])})" if fin else "-")
+        rows.append(row)
+    lines.append(markdown_table(head, rows))
     if report.get("per_seed"):
         seeds = list(report["per_seed"])
         lines += ["", f"Means over seeds (train.seed) {', '.join(seeds)} +- the standard error over seeds; clocks are "
-                  "means. Final held-out accuracy per seed (training clock):", "",
-                  "| arm | " + " | ".join(f"seed {sd}" for sd in seeds) + " |", "|---|" + "---|" * len(seeds)]
+                  "means. Final held-out accuracy per seed (training clock):", ""]
+        rows = []
         for a in arms:
             recs = [report["per_seed"][sd].get(a) or {} for sd in seeds]
-            cells = [_acc(r.get("final_accuracy")) + (f" ({_fmt_clock(r['total_clock_s'])})" if r.get("points")
-                                                      else "") for r in recs]
-            lines.append(f"| {a} | " + " | ".join(cells) + " |")
+            rows.append([a] + [_acc(r.get("final_accuracy")) + (f" ({fmt_seconds(r['total_clock_s'])})"
+                                                                 if r.get("points") else "") for r in recs])
+        lines.append(markdown_table(["arm"] + [f"seed {sd}" for sd in seeds], rows))
         for a, pr in report.get("paired", {}).items():
             lines += ["", _paired_line(a, pr["vs"], pr)]
     for a, pr in report.get("paired_basis", {}).items():
@@ -653,8 +599,8 @@ def _time_to_accuracy_md(tta: dict | None, arms: list[str]) -> list[str]:
         return []
     ts = tta["thresholds"]
     lines = ["", "Training clock to reach a held-out accuracy (first eval point of the mean curve at or above it; "
-             "\"-\" = not reached; in brackets, how many seeds reach it on their own):", "",
-             "| arm | " + " | ".join(f">= {t:g}" for t in ts) + " |", "|---|" + "---|" * len(ts)]
+             "\"-\" = not reached; in brackets, how many seeds reach it on their own):", ""]
+    rows = []
     for a in arms:
         row = tta["arms"].get(a)
         if row is None:
@@ -662,20 +608,21 @@ def _time_to_accuracy_md(tta: dict | None, arms: list[str]) -> list[str]:
         cells = []
         for t in ts:
             c = row["mean_curve"].get(str(t))
-            cell = "-" if c is None else _fmt_clock(c)
+            cell = "-" if c is None else fmt_seconds(c)
             if "seeds_reaching" in row:
                 cell += f" ({row['seeds_reaching'][str(t)]}/{row['n_seeds']})"
             cells.append(cell)
-        lines.append(f"| {a} | " + " | ".join(cells) + " |")
+        rows.append([a] + cells)
+    lines.append(markdown_table(["arm"] + [f">= {t:g}" for t in ts], rows))
     for a, r in tta.get("basis_reaches", {}).items():
         lines.append("")
         if r["clock_s"] is None:
             lines.append(f"basis does not reach {a}'s final accuracy {r['accuracy']:.3f} within its run (basis final "
-                         f"{_acc(r['basis_final_accuracy'])} after {_fmt_clock(r['basis_total_clock_s'] or 0.0)}; "
-                         f"{a} took {_fmt_clock(r['other_clock_s'])}).")
+                         f"{_acc(r['basis_final_accuracy'])} after {fmt_seconds(r['basis_total_clock_s'] or 0.0)}; "
+                         f"{a} took {fmt_seconds(r['other_clock_s'])}).")
         else:
-            lines.append(f"basis reaches {a}'s final accuracy {r['accuracy']:.3f} after {_fmt_clock(r['clock_s'])} "
-                         f"of training clock, {r['ratio']:.2f}x the {_fmt_clock(r['other_clock_s'])} {a} trained for.")
+            lines.append(f"basis reaches {a}'s final accuracy {r['accuracy']:.3f} after {fmt_seconds(r['clock_s'])} "
+                         f"of training clock, {r['ratio']:.2f}x the {fmt_seconds(r['other_clock_s'])} {a} trained for.")
     return lines
 
 
@@ -704,7 +651,7 @@ def write_png(report: dict, path: Path) -> bool:
         if prior > 0:
             ax.axvspan(0, prior / scale, color=color, alpha=0.10, lw=0)
             ax.plot([0, prior / scale], [ys[0], ys[0]], color=color, ls=":", lw=1.5)
-            ax.annotate(f"prior pass (K={st.get('prior_samples', '?')}): {_fmt_clock(prior)}",
+            ax.annotate(f"prior pass (K={st.get('prior_samples', '?')}): {fmt_seconds(prior)}",
                         xy=(prior / scale / 2, ys[0]), xytext=(0, 8), textcoords="offset points", ha="center",
                         fontsize=8, color=color)
             ax.plot([p["train_clock_s"] / scale for p in r["points"]], ys, color=color, ls="--", lw=1, alpha=0.6,
@@ -749,7 +696,7 @@ def parse_args(argv):
     p.add_argument("--hard-levels", default="4,5", help="data.levels of the hard and hard_eapo arms (default 4,5)")
     p.add_argument("--eapo-prior", default=None,
                    help="hard_eapo: this adapter as the prior instead of the eapo_prior arm's (<runs>/eapo_prior/adapter)")
-    p.add_argument("--out", default=str(RESULTS / "learning"),
+    p.add_argument("--out", default=str(results_dir("learning")),
                    help="folder for learning.{json,md,png} (default bench/results/learning)")
     p.add_argument("--runs", default=None, help="folder for the run folders (default runs/bench-learning-<preset>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -864,13 +811,10 @@ def paired_basis(per_seed: dict[str, dict], arm_order: list[str]) -> dict[str, d
     return out
 
 
-def clock_to_reach(points: list[dict], accuracy: float) -> float | None:
-    """The clock of the first eval point (in clock order) at or above `accuracy`; None if none is. Eval points are
-    every train.eval_every steps, so this is "reached by", at that granularity."""
-    for p in sorted(points, key=lambda q: (q["clock_s"], q["step"])):
-        if p["eval_accuracy"] >= accuracy - 1e-12:
-            return p["clock_s"]
-    return None
+def clock_reaching(points: list[dict], accuracy: float) -> float | None:
+    """The clock of the first eval point at or above `accuracy` (bench/lib/curves.py); None if none is."""
+    p = first_point_reaching(points, accuracy, key="eval_accuracy")
+    return None if p is None else p["clock_s"]
 
 
 def time_to_accuracy(report: dict, thresholds: list[float]) -> dict:
@@ -881,10 +825,10 @@ def time_to_accuracy(report: dict, thresholds: list[float]) -> dict:
     out = {"thresholds": thresholds, "arms": {}, "basis_reaches": {}}
     for a in arms:
         pts = report["arms"][a]["points"]
-        row = {"mean_curve": {str(t): clock_to_reach(pts, t) for t in thresholds}}
+        row = {"mean_curve": {str(t): clock_reaching(pts, t) for t in thresholds}}
         if report.get("per_seed"):
             recs = [r[a] for r in report["per_seed"].values() if a in r and r[a].get("points")]
-            row["seeds_reaching"] = {str(t): sum(clock_to_reach(r["points"], t) is not None for r in recs)
+            row["seeds_reaching"] = {str(t): sum(clock_reaching(r["points"], t) is not None for r in recs)
                                      for t in thresholds}
             row["n_seeds"] = len(recs)
         out["arms"][a] = row
@@ -897,7 +841,7 @@ def time_to_accuracy(report: dict, thresholds: list[float]) -> dict:
             target, total = r.get("final_accuracy"), r.get("total_clock_s") or 0.0
             if target is None or total <= 0:
                 continue
-            c = clock_to_reach(bpts, target)
+            c = clock_reaching(bpts, target)
             out["basis_reaches"][a] = {"accuracy": target, "clock_s": c, "other_clock_s": total,
                                        "ratio": None if c is None else c / total,
                                        "basis_final_accuracy": report["arms"]["basis"].get("final_accuracy"),
@@ -943,7 +887,7 @@ def main(argv=None) -> int:
         "benchmark": "learning speed: held-out accuracy vs wall-clock (generation + training seconds)",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python bench/learning.py " + " ".join(argv),
-        "settings": shared, "runs": _shown(runs),
+        "settings": shared, "runs": shown(runs),
         "machine": old.get("machine") if args.analyze_only and old.get("machine") else machine_info(),
         "arm_order": list(dict.fromkeys(list(args.arms) + [a for a in old.get("arm_order", []) if a not in args.arms]))
         if args.analyze_only else list(args.arms),
@@ -965,7 +909,7 @@ def main(argv=None) -> int:
             report["paired"] = paired(report["per_seed"], report["arm_order"])
             report["paired_basis"] = paired_basis(report["per_seed"], report["arm_order"])
         report["time_to_accuracy"] = time_to_accuracy(report, args.thresholds)
-        json_path.write_text(json.dumps(report, indent=2, default=str))
+        write_json(json_path, report, indent=2)
         write_md(report, out / "learning.md")
         write_png(report, out / "learning.png")
 
@@ -997,7 +941,7 @@ def main(argv=None) -> int:
     for arm in report["arm_order"]:
         r = report["arms"].get(arm)
         if r:
-            print(f"  {arm:13s} steps {r['steps']:4d}  clock {_fmt_clock(r['total_clock_s']):>9s}  prior "
+            print(f"  {arm:13s} steps {r['steps']:4d}  clock {fmt_seconds(r['total_clock_s']):>9s}  prior "
                   f"{r['prior_seconds']:7.1f} s  acc {_acc(r.get('accuracy_before'))} -> {_acc(r.get('final_accuracy'))}"
                   + (f"  (mean of seeds {r['seeds']})" if r.get("seeds") else ""))
     for arm, pr in report.get("paired", {}).items():

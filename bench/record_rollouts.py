@@ -65,8 +65,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "bench" / "results"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.lib.paths import results_dir  # noqa: E402
+from bench.lib.provenance import machine_record, with_load_after  # noqa: E402
 
 
 def _adapter_ok(path: str) -> tuple[bool, str]:
@@ -138,16 +141,6 @@ def unique_ids(ids: list[str]) -> list[str]:
     return out
 
 
-def cpu_flags() -> list[str]:
-    """The CPU's vector / matrix flags that decide the compute dtype (from /proc/cpuinfo; [] elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    have = set(text.split())
-    return sorted(f for f in have if f in ("avx2", "fma", "avx512f", "avx512_bf16") or f.startswith("amx"))
-
-
 def sha256(path: Path) -> str:
     import hashlib
 
@@ -207,7 +200,7 @@ def main(argv=None) -> int:
 
     t_start = time.time()
     deadline = None if a.max_seconds is None else t_start + a.max_seconds
-    out = Path(a.out) if a.out else RESULTS / "record_rollouts" / f"rollouts_{a.family}.npz"
+    out = Path(a.out) if a.out else results_dir("record_rollouts") / f"rollouts_{a.family}.npz"
     out.parent.mkdir(parents=True, exist_ok=True)
     overrides = [f"data.dataset={a.family}"]
     if a.levels is not None:
@@ -235,7 +228,7 @@ def main(argv=None) -> int:
         "revisited": sum(i != ex.id for i, ex in zip(ids, exs)), "questions": [ex.question for ex in exs],
         "answers": answers, "example_levels": [ex.meta.get("level") for ex in exs],
         "example_kinds": [ex.meta.get("family") for ex in exs], "example_prompt": prompts[0], "policies": {},
-        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__, "cpu_flags": cpu_flags(),
+        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_record(),
     }
     if a.append and out.exists():
         with np.load(out) as z:
@@ -317,6 +310,7 @@ def main(argv=None) -> int:
             break
     meta.setdefault("sessions", []).append(round(time.time() - t_start, 1))
     meta["total_seconds"] = round(sum(meta["sessions"]), 1)
+    meta["machine"] = with_load_after(meta["machine"])
     save()
     if not finished:
         print(f"stopped at --max-seconds {a.max_seconds:g}: run again with --append to continue", flush=True)

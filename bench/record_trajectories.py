@@ -16,8 +16,9 @@ each rollout's trajectory feature, engines/trajectory.py):
 Extra samples are drawn with the torch RNG saved and restored around them, and trajectory capture changes no
 sampled token (tests/engines/test_trajectory.py), so the training run itself is the run the preset makes without recording.
 An estimator at step t may use the training steps s < t (its replay buffer) and one or two of the K samples of each
-probe prompt at step t (the current batch); the rest are the truth. Stored in ``bench/results/record_trajectories/trajectories_<family>.npz``
-(rewards float32, features float16, a JSON ``meta``), rewritten after every step: an interrupted recording keeps
+probe prompt at step t (the current batch); the rest are the truth. Stored in
+``bench/results/record_trajectories/trajectories_<family>.npz`` (rewards float32, features float16, a JSON ``meta``
+with the machine record), rewritten after every step: an interrupted recording keeps
 what it finished (it is not resumed; rerun it from the start).
 
     python bench/record_trajectories.py                                   # the default run, P=128, K=8, 5 steps
@@ -42,10 +43,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT, ROOT / "bench"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-RESULTS = ROOT / "bench" / "results"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.lib.paths import results_dir  # noqa: E402
+from bench.lib.provenance import machine_record, with_load_after  # noqa: E402
 
 
 def probe_examples(train_examples: list, n: int, seed: int) -> list:
@@ -81,7 +83,6 @@ def main(argv=None) -> int:
     import shutil
 
     import torch
-    from provenance import provenance
 
     from basis_lite import trainer
     from basis_lite.config import load_config, to_dict
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     run_dir = Path(a.runs) if a.runs else ROOT / "runs" / f"record-trajectories-{Path(a.preset).stem}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    out = Path(a.out) if a.out else RESULTS / "record_trajectories" / f"trajectories_{cfg.data.dataset}.npz"
+    out = Path(a.out) if a.out else results_dir("record_trajectories") / f"trajectories_{cfg.data.dataset}.npz"
     out.parent.mkdir(parents=True, exist_ok=True)
 
     t_start = time.time()
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
             "probe_answers": [ex.answer for ex in probe_ex], "train_ids": [], "stats": list(STATS),
             "feature_layer": getattr(run.engine, "feature_layer", None),
             "trajectory_tokens": getattr(run.engine, "trajectory_tokens", None),
-            "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": provenance(), "seconds": {},
+            "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_record(), "seconds": {},
             "metrics": []}
 
     def generate(prompts, params):
@@ -197,6 +198,7 @@ def main(argv=None) -> int:
             run.step = step
             meta["metrics"].append(rec)
             meta["seconds"]["total"] = round(time.time() - t_start, 1)
+            meta["machine"] = with_load_after(meta["machine"])
             save()
             print(f"step {step}: reward {rec['reward_mean']:.3f}, gen {gen_s:.0f} s, extra {extra_s:.0f} s, "
                   f"train {rec['training_s']:.0f} s", flush=True)

@@ -19,14 +19,13 @@ Value-estimate quality. The baselines of N ranks with b prompts each are those o
 SmolLM2 rollouts with bench/value_mse.py's protocol: the baseline MSE of BASIS (default, no prior) against the
 Monte-Carlo values, as a ratio to REINFORCE++'s batch mean (lower is better), per recorded scenario.
 
-Writes OUT.json and OUT.md (default bench/results/scaling/scaling) with the git commit, the CPU and its flags; run logs and
-run folders go to OUT-runs/.
+Writes OUT.json and OUT.md (default bench/results/scaling/scaling) with the git commit, the CPU and its flags; run
+logs and run folders go to OUT-runs/.
 """
 from __future__ import annotations
 
 import argparse
 import glob
-import json
 import math
 import os
 import shutil
@@ -37,10 +36,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT, ROOT / "bench"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-RESULTS = ROOT / "bench" / "results"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.lib.paths import results_dir  # noqa: E402
+from bench.lib.provenance import flags_line, machine_record, with_load_after  # noqa: E402
+from bench.lib.report import write_json  # noqa: E402
 
 SPEED_FIELDS = ("step_s", "generation_s", "training_s", "gather_s", "gather_wait_s", "gather_bytes", "allreduce_s",
                 "allreduce_bytes", "explained_variance", "reward_mean")
@@ -92,9 +93,10 @@ def run_one(n: int, args, work: Path) -> dict:
 def value_quality(global_batches: list[int], resamples: int, seed: int) -> dict:
     """{scenario: {B: {"ratio", "ci90", "prompts"}}}: BASIS default (no prior) / REINFORCE++ baseline MSE."""
     import numpy as np
-    import value_mse as vm
 
-    paths = sorted(glob.glob(str(RESULTS / "record_rollouts" / "rollouts_*.npz")))
+    from bench import value_mse as vm
+
+    paths = sorted(glob.glob(str(vm.RECORDINGS / "rollouts_*.npz")))
     if not paths:
         return {}
     fams = vm.load_recordings(paths)
@@ -114,11 +116,11 @@ def value_quality(global_batches: list[int], resamples: int, seed: int) -> dict:
 
 
 def markdown(report: dict) -> str:
-    from provenance import flags_line
-
     a = report["settings"]
+    m = report["machine"]
     lines = [f"# Data-parallel scaling ({a['preset']}, {a['per_rank_batch']} prompts per rank, {a['steps']} steps)",
-             "", f"Measured on {flags_line(report['provenance'])}; commit {report['provenance']['git_commit'][:10]}.",
+             "", f"Measured on {flags_line(m)}; commit {m['git_commit'][:10]}; load average before / after "
+             f"{m.get('loadavg_before')} / {m.get('loadavg_after')}.",
              f"Command: `{report['command']}`", "",
              "Every process of a run shares the same cores (threads per rank = cores // processes): on one machine "
              "N processes do N times the work on the same cores, so steps/s is expected to fall as N grows, and "
@@ -158,14 +160,13 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
     ap.add_argument("--resamples", type=int, default=60, help="value quality: resampled batches at B=32")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(RESULTS / "scaling" / "scaling"),
-                    help="output prefix (.json, .md; runs in OUT-runs/)")
+    ap.add_argument("--out", default=str(results_dir("scaling") / "scaling"),
+                    help="output prefix (.json, .md; runs in OUT-runs/; default bench/results/scaling/scaling)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     work = out.parent / f"{out.name}-runs"
     work.mkdir(parents=True, exist_ok=True)
-    from provenance import provenance
-
+    machine = machine_record()
     runs = []
     for n in a.procs:
         print(f"{n} process(es), {n * a.per_rank_batch} prompts per step ...", flush=True)
@@ -178,9 +179,8 @@ def main(argv=None) -> int:
               "command": "python bench/scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "settings": {"procs": a.procs, "per_rank_batch": a.per_rank_batch, "steps": a.steps,
                            "preset": a.preset, "eval_size": a.eval_size, "cores": a.cores, "set": a.set},
-              "provenance": provenance(), "runs": runs, "value_quality": quality}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=float))
+              "machine": with_load_after(machine), "runs": runs, "value_quality": quality}
+    write_json(out.with_suffix(".json"), report)
     md = markdown(report)
     out.with_suffix(".md").write_text(md)
     print(md)

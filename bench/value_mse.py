@@ -37,7 +37,8 @@ with REINFORCE++ on the same rows as its reference.
 Per-prompt MSEs are averaged over resamples and then over prompts; ratios to REINFORCE++ carry a paired bootstrap
 90% interval over prompts.
 
-    python bench/value_mse.py                         # all bench/results/record_rollouts/rollouts_*.npz -> value_mse.{json,md,png}
+    python bench/value_mse.py                         # all bench/results/record_rollouts/rollouts_*.npz
+                                                      # -> bench/results/value_mse/value_mse.{json,md,png}
     python bench/value_mse.py bench/results/record_rollouts/rollouts_arithmetic_default.npz \
         --out bench/results/value_mse/default/value_mse      # the default preset's task, a policy mid-training
     python bench/value_mse.py --resamples 50 --ks 2 4 8 --batch-sizes 32 64 128 256
@@ -45,8 +46,10 @@ Per-prompt MSEs are averaged over resamples and then over prompts; ratios to REI
 Online probes on real training trajectories (``bench/record_trajectories.py`` recordings; protocol in
 bench/value_mse_trajectories.py): every estimator at step t reads only steps < t and the current batch.
 
-    python bench/value_mse.py --trajectories          # bench/results/record_trajectories/trajectories_*.npz -> value_mse_trajectories.*
-    python bench/value_mse.py --trajectories --kinds add2 --out bench/results/value_mse_trajectories/value_mse_trajectories_add2
+    python bench/value_mse.py --trajectories          # bench/results/record_trajectories/trajectories_*.npz
+                                                      # -> bench/results/value_mse_trajectories/value_mse_trajectories.*
+    python bench/value_mse.py --trajectories --kinds add2 \
+        --out bench/results/value_mse_trajectories/value_mse_trajectories_add2
         # only the probe prompts of the problem kinds the training batches draw (98 % add2 on the default preset)
 """
 from __future__ import annotations
@@ -63,13 +66,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT, ROOT / "bench"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-RESULTS = ROOT / "bench" / "results"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from basis_variants import BASIS_VARIANTS  # noqa: E402
 
 from basis_lite.estimators import EstimatorContext  # noqa: E402
 from basis_lite.estimators.basis import basis_baseline  # noqa: E402
@@ -79,8 +79,13 @@ from basis_lite.estimators.basis_options import BASIS_DEFAULTS  # noqa: E402
 from basis_lite.estimators.probe import ReplayBuffer  # noqa: E402
 from basis_lite.estimators.probe_options import mix_replay_capacity  # noqa: E402
 from basis_lite.rl.priors import PSEUDO_COUNT, prior_values  # noqa: E402
+from bench.basis_variants import BASIS_VARIANTS  # noqa: E402
+from bench.lib.paths import results_dir  # noqa: E402
+from bench.lib.report import fmt_na, write_json  # noqa: E402
+from bench.lib.value_errors import GROUP_SIZES, ErrorSums, sq_err, summarise  # noqa: E402
 
-GROUP_SIZES = (2, 4, 8)
+RECORDINGS = results_dir("record_rollouts")  # rollouts_*.npz of bench/record_rollouts.py
+TRAJECTORIES = results_dir("record_trajectories")  # trajectories_*.npz of bench/record_trajectories.py
 TARGET_RATIO = 0.31  # issue: BASIS MSE <= 0.31x REINFORCE++ (the paper's "69% lower")
 KEY_ROWS = ("reinforce_pp", "basis:default@K0", "basis:mix@K0", "basis:loo_mean", "group_mean_G2", "group_mean_G4",
             "group_mean_G8", "rloo_G8")
@@ -257,48 +262,6 @@ def _prior_pc(table: dict, ids: list, c: float) -> torch.Tensor:
     return torch.tensor([(table["counts"][i] + c * m) / (table["k"] + c) for i in ids], dtype=torch.float64)
 
 
-def _sq_err(b: np.ndarray, pol: np.ndarray, used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row squared error against the mean of the unused samples: (raw, truth-noise estimate)."""
-    keep = ~used
-    m = keep.sum(1)
-    v = (pol * keep).sum(1) / m
-    raw = (b - v) ** 2
-    noise = v * (1.0 - v) / np.maximum(m - 1, 1)
-    return raw, noise
-
-
-class ErrorSums:
-    """Per-prompt sums, over the resamples that drew each prompt, of every baseline's squared error and of the
-    noise of its truth (``_sq_err``); ``per_prompt`` turns them into per-prompt means and adds the group rows that
-    are exact in expectation."""
-
-    def __init__(self, names: list[str], n_prompts: int):
-        self.raw = {n: np.zeros(n_prompts) for n in names}
-        self.noise = {n: np.zeros(n_prompts) for n in names}
-        self.count = np.zeros(n_prompts)
-
-    def add(self, name: str, idx: np.ndarray, b: np.ndarray, pol: np.ndarray, used: np.ndarray) -> None:
-        raw, noise = _sq_err(b, pol, used)
-        self.raw[name][idx] += raw
-        self.noise[name][idx] += noise
-
-    def per_prompt(self, s2_all: np.ndarray) -> tuple[dict, dict, dict]:
-        """(MSE with the truth noise taken out, raw MSE, truth noise) per prompt drawn at least once; the group mean
-        and RLOO of G rollouts are exact: V(1 - V)/G and V(1 - V)/(G - 1), with ``s2_all`` each prompt's unbiased
-        reward variance (V(1 - V) for 0/1 rewards)."""
-        seen = self.count > 0
-        c = self.count[seen]
-        per = {n: (self.raw[n][seen] - self.noise[n][seen]) / c for n in self.raw}
-        per_raw = {n: self.raw[n][seen] / c for n in self.raw}
-        per_noise = {n: self.noise[n][seen] / c for n in self.raw}
-        s2 = s2_all[seen]
-        for g in GROUP_SIZES:
-            per[f"group_mean_G{g}"] = per_raw[f"group_mean_G{g}"] = s2 / g
-            per[f"rloo_G{g}"] = per_raw[f"rloo_G{g}"] = s2 / (g - 1)
-            per_noise[f"group_mean_G{g}"] = per_noise[f"rloo_G{g}"] = np.zeros_like(s2)
-        return per, per_raw, per_noise
-
-
 def run_scenario(sc: Scenario, specs: list[dict], batch_sizes: list[int], resamples: int, rng: np.random.Generator,
                  group_emp: bool = True) -> dict:
     N = sc.pol.shape[0]
@@ -377,7 +340,7 @@ def run_scenario(sc: Scenario, specs: list[dict], batch_sizes: list[int], resamp
         pm = pol_cols.mean(1)
         mm = pol_cols.shape[1]
         per_prompt, per_raw, per_noise = sums.per_prompt(pm * (1 - pm) * mm / (mm - 1))
-        res[B] = _summarise(per_prompt, per_raw, per_noise, rng, R, time.time() - t0)
+        res[B] = summarise(per_prompt, per_raw, per_noise, rng, R, time.time() - t0)
     return res
 
 
@@ -445,7 +408,7 @@ def run_mix_streams(sc: Scenario, B: int, resamples: int, rng: np.random.Generat
                         "basis:default@K0": basis_baseline(r_t, None, f_t.double()).numpy(),
                         "basis:loo_mean": basis_baseline(r_t, None, None, **BASIS_VARIANTS["loo_mean"]).numpy()}
                 for n, b in rows.items():
-                    e_raw, e_noise = _sq_err(b, pol, used)
+                    e_raw, e_noise = sq_err(b, pol, used)
                     np.add.at(raw[n], idx, e_raw)
                     np.add.at(noise[n], idx, e_noise)
                 np.add.at(count, idx, 1)
@@ -457,7 +420,7 @@ def run_mix_streams(sc: Scenario, B: int, resamples: int, rng: np.random.Generat
     per = {n: (raw[n][seen] - noise[n][seen]) / count[seen] for n in names}
     per_raw = {n: raw[n][seen] / count[seen] for n in names}
     per_noise = {n: noise[n][seen] / count[seen] for n in names}
-    out = _summarise(per, per_raw, per_noise, rng, n_runs * (L - warm), time.time() - t0)
+    out = summarise(per, per_raw, per_noise, rng, n_runs * (L - warm), time.time() - t0)
     cell = out["basis:mix@K0"]
     cell["stream"] = {"runs": n_runs, "steps": L, "scored_from_step": warm, "options": opts,
                       "mean_weights": {k: float(np.mean([w[k] for w in weights])) for k in weights[0]},
@@ -466,29 +429,8 @@ def run_mix_streams(sc: Scenario, B: int, resamples: int, rng: np.random.Generat
     return cell
 
 
-def _summarise(per_prompt, per_raw, per_noise, rng, R, seconds, n_boot=400) -> dict:
-    base = per_prompt["reinforce_pp"]
-    n = base.size
-    boot = rng.integers(0, n, size=(n_boot, n))
-    base_b = base[boot].mean(1)
-    out = {"_resamples": R, "_seconds": round(seconds, 2), "_prompts": int(n)}
-    for name, e in per_prompt.items():
-        mse = float(e.mean())
-        ratio = mse / float(base.mean()) if base.mean() > 0 else float("nan")
-        rb = e[boot].mean(1) / np.where(base_b > 0, base_b, np.nan)
-        lo, hi = np.nanpercentile(rb, [5, 95])
-        out[name] = {"mse": mse, "mse_raw": float(per_raw[name].mean()), "truth_noise": float(per_noise[name].mean()),
-                     "se": float(e.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan"),
-                     "ratio": ratio, "ratio_ci90": [float(lo), float(hi)]}
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # report
-
-
-def _fmt(x: float, d: int = 4) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"
 
 
 def markdown(report: dict) -> str:
@@ -538,7 +480,7 @@ def markdown(report: dict) -> str:
         cells = []
         for sk, B in cols:
             c = scen[sk]["results"][B].get(n)
-            cells.append("" if c is None else f"{_fmt(c['mse'])} ({_fmt(c['ratio'], 2)})")
+            cells.append("" if c is None else f"{fmt_na(c['mse'])} ({fmt_na(c['ratio'], 2)})")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     mix = [(sk, B, r["basis:mix@K0"]) for sk, s in scen.items() for B, r in s["results"].items() if "basis:mix@K0" in r]
     if mix:
@@ -552,9 +494,10 @@ def markdown(report: dict) -> str:
             st = c["stream"]
             w = ", ".join(f"{k} {v:.2f}" for k, v in st["mean_weights"].items())
             lines.append(f"| {sk} B={B} | {st['runs']} x {st['steps']} ({st['scored_from_step']}) | "
-                         f"{_fmt(c['ratio'], 2)} [{_fmt(c['ratio_ci90'][0], 2)}, {_fmt(c['ratio_ci90'][1], 2)}] | "
-                         f"{_fmt(st['basis:default@K0_ratio_same_rows'], 2)} | "
-                         f"{_fmt(st['basis:loo_mean_ratio_same_rows'], 2)} | {w} |")
+                         f"{fmt_na(c['ratio'], 2)} [{fmt_na(c['ratio_ci90'][0], 2)}, "
+                         f"{fmt_na(c['ratio_ci90'][1], 2)}] | "
+                         f"{fmt_na(st['basis:default@K0_ratio_same_rows'], 2)} | "
+                         f"{fmt_na(st['basis:loo_mean_ratio_same_rows'], 2)} | {w} |")
     t = report["targets"]
     lines += ["", "## Targets", "", f"Default tested: `{t['default_spec']}`", ""]
     for k, v in t["checks"].items():
@@ -563,7 +506,7 @@ def markdown(report: dict) -> str:
               "| estimator | " + " | ".join(report["k_curve"]["columns"]) + " |",
               "|---|" + "---|" * len(report["k_curve"]["columns"])]
     for n, vals in report["k_curve"]["rows"].items():
-        lines.append(f"| {n} | " + " | ".join(_fmt(v, 2) for v in vals) + " |")
+        lines.append(f"| {n} | " + " | ".join(fmt_na(v, 2) for v in vals) + " |")
     rec = report["recommendation"]
     lines += ["", "## Recommendation", "", rec["text"], ""]
     return "\n".join(lines)
@@ -819,33 +762,33 @@ def main(argv=None) -> int:
     ap.add_argument("--mix-steps", type=int, default=MIX_STREAM_STEPS,
                     help="steps per simulated run of the basis:mix row (the second half scored)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(RESULTS / "value_mse" / "value_mse"), help="output prefix (.json, .md, .png)")
+    ap.add_argument("--out", default=None, help="output prefix (.json, .md, .png; default "
+                    "bench/results/value_mse/value_mse, with --trajectories "
+                    "bench/results/value_mse_trajectories/value_mse_trajectories)")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
     cmd = "python bench/value_mse.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if a.trajectories is not None:
-        import value_mse_trajectories as vt
+        from bench import value_mse_trajectories as vt
 
-        paths = a.trajectories or sorted(glob.glob(str(RESULTS / "record_trajectories" / "trajectories_*.npz")))
+        paths = a.trajectories or sorted(glob.glob(str(TRAJECTORIES / "trajectories_*.npz")))
         if not paths:
             raise SystemExit("no trajectory recordings: run bench/record_trajectories.py first")
-        out = Path(a.out) if a.out != str(RESULTS / "value_mse" / "value_mse") else \
-            RESULTS / "value_mse_trajectories" / "value_mse_trajectories"
+        out = Path(a.out) if a.out else results_dir("value_mse_trajectories") / "value_mse_trajectories"
         variants = None if a.variants is None else [v for v in a.variants if v in vt.PROBE_VARIANTS]
         return vt.main(paths, a.batch_sizes or [16, 32, 64, 128], a.resamples, a.seed, out, a.no_plot, cmd.strip(),
                        a.buffer_size, variants, a.min_rows,
                        [k for k in a.kinds.split(",") if k] if a.kinds else None)
     a.batch_sizes = a.batch_sizes or [32, 64, 128, 256]
-    paths = a.recordings or sorted(glob.glob(str(RESULTS / "record_rollouts" / "rollouts_*.npz")))
+    paths = a.recordings or sorted(glob.glob(str(RECORDINGS / "rollouts_*.npz")))
     if not paths:
         raise SystemExit("no recordings: run bench/record_rollouts.py first")
     report = analyse(paths, a.batch_sizes, a.resamples, a.ks, a.seed, a.variants, a.default_k, cmd.strip(),
                      a.mix_steps)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(a.out) if a.out else results_dir("value_mse") / "value_mse"
     md = markdown(report)
+    write_json(out.with_suffix(".json"), report)
     out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=float))
     if not a.no_plot:
         plot(report, out.with_suffix(".png"))
     print(md)

@@ -13,9 +13,9 @@ as the estimator fits it (``fit_poise_probe`` / ``fit_prompt_probe``), then ever
 and a random order of each prompt's K samples: sample 0 is "the rollout" (one-rollout estimators), samples 0 and 1
 the pair (two-rollout estimators); each estimator's baseline for sample 0 comes from the registered code path
 (``poise_with_probe``, ``basis_probe_with_probe``, ``basis_baseline``). The truth is the mean of the samples the
-baseline did not read, with its sampling noise subtracted (``value_mse._sq_err``): all K for one-rollout
-leave-one-out estimators, all but sample 1 for two-rollout ones (they read the sibling), all but sample 0 for
-REINFORCE++'s batch mean. Group means and RLOO with G rollouts are exact in expectation (V(1 - V)/G and
+baseline did not read, with its sampling noise subtracted (``sq_err`` in bench/lib/value_errors.py): all K for
+one-rollout leave-one-out estimators, all but sample 1 for two-rollout ones (they read the sibling), all but sample
+0 for REINFORCE++'s batch mean. Group means and RLOO with G rollouts are exact in expectation (V(1 - V)/G and
 V(1 - V)/(G - 1), V(1 - V) estimated from all K samples), as in value_mse.py.
 
 Rows (rollouts per prompt in brackets): ``reinforce_pp`` (1), ``rloo_G2`` (2, exact) and ``rloo_G2_emp`` (2,
@@ -37,13 +37,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from value_mse import ErrorSums, _fmt, _summarise
 
 from basis_lite.estimators import EstimatorContext
 from basis_lite.estimators.basis import basis_baseline
 from basis_lite.estimators.poise import basis_probe_with_probe, fit_poise_probe, fit_prompt_probe, poise_with_probe
 from basis_lite.estimators.probe import ReplayBuffer
 from basis_lite.estimators.probe_options import poise_options, split_basis_probe
+from bench.lib.report import fmt_na, write_json
+from bench.lib.value_errors import ErrorSums, summarise
 
 # name -> (estimator, options); the defaults first
 PROBE_VARIANTS = {
@@ -185,7 +186,7 @@ def analyse_step(rec: dict, ti: int, batch_sizes: list[int], resamples: int, rng
                 sums.add(name, idx, b, pol, used)
             sums.count[idx] += 1
         per, per_raw, per_noise = sums.per_prompt(pol_all.var(1, ddof=1))
-        res[B] = _summarise(per, per_raw, per_noise, rng, R, time.time() - t0)
+        res[B] = summarise(per, per_raw, per_noise, rng, R, time.time() - t0)
     pm = pol_all.mean(1)
     return {"step": t, "n_prompts": P, "samples": K, "mean_reward": float(pol_all.mean()),
             "value_var": float(max(0.0, pm.var() - (pm * (1 - pm) / (K - 1)).mean())),
@@ -288,10 +289,10 @@ def markdown(report: dict) -> str:
         lines.append(f"- **step {t}**: mean reward {s['mean_reward']:.3f}, Var(V) across prompts "
                      f"{s['value_var']:.4f}; buffer rows {s['buffer_rows_one_rollout']} (one rollout) / "
                      f"{s['buffer_rows_two_rollouts']} (two); poise:default "
-                     + ("warm, ridge " + _fmt(pr['poise:default']['ridge'], 0) if pr.get("poise:default", {}).get("warm")
-                        else "not warm (RLOO)")
+                     + ("warm, ridge " + fmt_na(pr['poise:default']['ridge'], 0)
+                        if pr.get("poise:default", {}).get("warm") else "not warm (RLOO)")
                      + ", basis_probe:default "
-                     + ("warm, ridge " + _fmt(pr['basis_probe:default']['ridge'], 0)
+                     + ("warm, ridge " + fmt_na(pr['basis_probe:default']['ridge'], 0)
                         if pr.get("basis_probe:default", {}).get("warm") else "not warm (BASIS)"))
     lines += ["", "| estimator | " + " | ".join(f"step {t} B={B}" for t, B in cols) + " |",
               "|---|" + "---|" * len(cols)]
@@ -299,7 +300,7 @@ def markdown(report: dict) -> str:
         cells = []
         for t, B in cols:
             c = report["steps"][t]["results"][B].get(n)
-            cells.append("" if c is None else f"{_fmt(c['mse'])} ({_fmt(c['ratio'], 2)})")
+            cells.append("" if c is None else f"{fmt_na(c['mse'])} ({fmt_na(c['ratio'], 2)})")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     tg = report["targets"]
     lines += ["", f"## Targets on the mid-training steps {report['settings']['mid_steps']}", ""]
@@ -353,10 +354,9 @@ def main(paths: list[str], batch_sizes: list[int], resamples: int, seed: int, ou
     for p in paths:
         report = analyse(p, batch_sizes, resamples, seed, capacity, variants, command, min_rows, kinds)
         prefix = out if len(paths) == 1 else out.with_name(f"{out.name}_{Path(p).stem}")
-        prefix.parent.mkdir(parents=True, exist_ok=True)
         md = markdown(report)
+        write_json(prefix.with_suffix(".json"), report)
         prefix.with_suffix(".md").write_text(md)
-        prefix.with_suffix(".json").write_text(json.dumps(report, indent=1, default=float))
         if not no_plot:
             plot(report, prefix.with_suffix(".png"))
         print(md)

@@ -77,7 +77,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -91,6 +90,11 @@ if str(ROOT) not in sys.path:
 
 # the driver imports no torch: the arms run in their own processes; only the config loader (yaml) is needed here
 from basis_lite.config import DEFAULT_PRESET, ConfigError, load_config, to_dict  # noqa: E402
+from bench.lib.curves import first_point_reaching, read_run  # noqa: E402
+from bench.lib.paths import results_dir  # noqa: E402
+from bench.lib.provenance import flags_line, loadavg, machine_record  # noqa: E402
+from bench.lib.recorders import peak_rss_mb  # noqa: E402
+from bench.lib.report import fmt_seconds, markdown_table, text_table, write_json  # noqa: E402
 
 ARMS = ("basis", "trl8", "trl4")
 GROUPS = {"trl8": 8, "trl4": 4}
@@ -102,26 +106,18 @@ COLORS = {"basis": "tab:blue", "trl8": "tab:red", "trl4": "tab:orange"}
 LABELS = {"basis": "basis-lite (BASIS, 1 rollout/prompt)", "trl8": "TRL GRPO, G=8", "trl4": "TRL GRPO, G=4"}
 CLOCK_NOTE = ("Clock = training only: generation + update (forward, backward, optimizer step) summed over steps. "
               "Evaluation, model loading, checkpoint writing and reward scoring are excluded in every arm.")
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+PACKAGES = ("transformers", "trl", "peft", "accelerate", "datasets")  # versions in the machine record
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # pure helpers (tested without a model)
 
 
-def clock_to_reach(points: list[dict], target: float) -> dict | None:
-    """The first eval point (by step) whose accuracy is at least `target`, or None if none is."""
-    for p in sorted(points, key=lambda p: p["step"]):
-        if p["accuracy"] >= target - 1e-9:
-            return p
-    return None
-
-
 def headline(basis: dict, trl: dict) -> dict:
     """basis-lite's clock to reach TRL's final accuracy, as a fraction of TRL's total clock."""
     target = trl["final_accuracy"]
     trl_clock = trl["total_clock_s"]
-    hit = clock_to_reach(basis["points"], target)
+    hit = first_point_reaching(basis["points"], target)
     out = {"trl_final_accuracy": target, "trl_total_clock_s": trl_clock, "target_ratio": TARGET_RATIO,
            "basis_final_accuracy": basis["final_accuracy"], "basis_total_clock_s": basis["total_clock_s"],
            "reached": hit is not None}
@@ -159,14 +155,6 @@ def cumulative(step_clocks: list[float]) -> list[float]:
     return out
 
 
-def _fmt_s(s) -> str:
-    if s is None:
-        return "-"
-    if s < 10:
-        return f"{s:.2f} s"
-    return f"{s:.0f} s" if s < 600 else f"{s / 60:.1f} min"
-
-
 def _mb(x) -> str:
     return "-" if x is None else f"{x / 1024:.2f} GB" if x >= 1024 else f"{x:.0f} MB"
 
@@ -181,13 +169,13 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     for a in arms:
         r = report["arms"][a]
         by_step = {p["step"]: p for p in r["points"]}
-        split = (f"{_fmt_s(r['generation_s'])} + {_fmt_s(r['update_s'])}"
+        split = (f"{fmt_seconds(r['generation_s'])} + {fmt_seconds(r['update_s'])}"
                  if r.get("generation_s") is not None and r.get("update_s") is not None else "-")
         row = [a, f"{r.get('prompts_per_step', '?')} x {r.get('rollouts_per_prompt', '?')}", str(r["steps"]),
-               _fmt_s(r["total_clock_s"]), split, _fmt_s(r.get("mean_step_s")), _mb(r.get("peak_rss_mb"))]
+               fmt_seconds(r["total_clock_s"]), split, fmt_seconds(r.get("mean_step_s")), _mb(r.get("peak_rss_mb"))]
         for s in steps:
             p = by_step.get(s)
-            row.append(f"{p['accuracy']:.3f} ({_fmt_s(p['clock_s'])})" if p else "-")
+            row.append(f"{p['accuracy']:.3f} ({fmt_seconds(p['clock_s'])})" if p else "-")
         rows.append(row)
     return head, rows
 
@@ -196,17 +184,17 @@ def headline_text(arm: str, h: dict) -> str:
     name = LABELS.get(arm, arm)
     if h["reached"]:
         verdict = "meets" if h["meets_target"] else "misses"
-        where = (f"at {_fmt_s(h['basis_clock_to_reach_s'])} of training clock (eval at step "
+        where = (f"at {fmt_seconds(h['basis_clock_to_reach_s'])} of training clock (eval at step "
                  f"{h['basis_step_to_reach']})" if h["basis_step_to_reach"] > 0 else
                  "before training (step 0: TRL ended no higher than where every arm started)")
         return (f"basis-lite reached {name}'s final held-out accuracy {h['trl_final_accuracy']:.3f} {where}; "
-                f"{name} took {_fmt_s(h['trl_total_clock_s'])} in all: ratio **{h['ratio']:.3f}** ({verdict} the "
+                f"{name} took {fmt_seconds(h['trl_total_clock_s'])} in all: ratio **{h['ratio']:.3f}** ({verdict} the "
                 f"1/3 target).")
     lb = h.get("ratio_lower_bound")
     above = f"; the ratio is above {lb:.3f}" if lb is not None else ""
     return (f"basis-lite did not reach {name}'s final held-out accuracy {h['trl_final_accuracy']:.3f} within its run "
-            f"(final {h['basis_final_accuracy']:.3f} after {_fmt_s(h['basis_total_clock_s'])}){above} (misses the 1/3 "
-            f"target).")
+            f"(final {h['basis_final_accuracy']:.3f} after {fmt_seconds(h['basis_total_clock_s'])}){above} (misses "
+            f"the 1/3 target).")
 
 
 def markdown(report: dict) -> str:
@@ -219,9 +207,7 @@ def markdown(report: dict) -> str:
              + (f"every {st['eval_every']} steps" if st["eval_every"] else "before and after training")
              + (f" (--eval-limit {st['eval_limit']}: a subset of the held-out split)" if st.get("eval_limit") else "")
              + ".", "", CLOCK_NOTE, "",
-             "Cells: held-out accuracy (training clock at that point).", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+             "Cells: held-out accuracy (training clock at that point).", "", markdown_table(head, rows)]
     lines += ["", "## Headline (target <= 1/3, reported whichever way it falls)", "",
               "Training clock basis-lite needs to reach TRL's final held-out accuracy, divided by TRL's total "
               "training clock:", ""]
@@ -235,29 +221,24 @@ def markdown(report: dict) -> str:
     for note in report.get("not_matched", []):
         lines.append(f"- Not matched exactly: {note}")
     m = report.get("machine", {})
-    v = report.get("versions", {})
-    lines += ["", f"Machine: {m.get('cpu', '?')}, {m.get('cpus_usable', '?')} CPUs usable, flags "
-              + ", ".join(f"{f} {'yes' if m.get('flags', {}).get(f) else 'no'}" for f in CPU_FLAGS)
-              + f"; load average at start {m.get('loadavg')}. torch threads per arm: "
+    lines += ["", f"Machine: {flags_line(m)}; {m.get('cpus_usable', '?')} CPUs usable; load average at start "
+              f"{m.get('loadavg_before')}. torch threads per arm: "
               + ", ".join(f"{a} {report['arms'][a].get('threads')}" for a in report["arm_order"] if a in report["arms"])
               + ".", "",
               "Load average (1/5/15 min) before -> after each arm: " + "; ".join(
                   f"{a} {report['arms'][a].get('loadavg_before')} -> {report['arms'][a].get('loadavg_after')}"
                   for a in report["arm_order"] if a in report["arms"]) + ". Another process on the same cores "
               "slows the clock of the arm it overlaps.", "",
-              "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + f". Commit {report.get('git_commit')}"
-              + (" (with uncommitted changes)" if report.get("git_dirty") else "") + ".", "",
+              "Versions: " + ", ".join(f"{k} {m.get(k)}" for k in ("python", "torch", *PACKAGES))
+              + f". Commit {m.get('git_commit')}" + (" (with uncommitted changes)" if m.get("git_dirty") else "") + ".",
+              "",
               f"Command: `{report.get('command', '')}`", "",
               f"Generated {report.get('created', '')} by bench/vs_trl.py; data in vs_trl.json, chart vs_trl.png.", ""]
     return "\n".join(lines)
 
 
 def print_table(report: dict) -> None:
-    head, rows = table_rows(report)
-    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) if rows else len(head[i]) for i in range(len(head))]
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print(text_table(*table_rows(report)))
     print(CLOCK_NOTE)
     for arm, h in (report.get("headline") or {}).items():
         print(headline_text(arm, h).replace("**", ""))
@@ -291,7 +272,7 @@ def write_png(report: dict, path: Path) -> bool:
     st = report["settings"]
     ax.set_xlabel(f"training clock, generation + update ({unit}; no eval, load or reward time)")
     ax.set_ylabel(f"held-out accuracy (greedy, n={st['eval_n']})")
-    ax.set_title(f"basis-lite vs TRL GRPO on {report.get('machine', {}).get('cpu', 'CPU')}, "
+    ax.set_title(f"basis-lite vs TRL GRPO on {report.get('machine', {}).get('cpu_model', 'CPU')}, "
                  f"{st['rollouts_per_step']} rollouts/step", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
@@ -302,21 +283,6 @@ def write_png(report: dict, path: Path) -> bool:
 
 # ----------------------------------------------------------------------------------------------------------------
 # inside an arm's process
-
-
-def peak_rss_mb() -> dict:
-    """This process's peak resident memory: VmHWM from /proc/self/status and ru_maxrss (both MiB)."""
-    import resource
-
-    out = {"ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                out["vmhwm_mb"] = int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    out["peak_rss_mb"] = round(max(out.values()), 1)
-    return out
 
 
 def _eval_point(step: int, clock: float, ev: dict, final: bool = False) -> dict:
@@ -350,16 +316,7 @@ def worker_basis(spec: dict) -> dict:
     t0 = time.time()
     summary = bl_trainer.train(cfg, run_dir, progress=spec["progress"])
     wall = time.time() - t0
-    steps, evals = {}, []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("event") in ("eval", "eval_final"):
-            evals.append(rec)
-        elif "event" not in rec:
-            steps[int(rec["step"])] = rec
+    steps, evals = read_run(run_dir)
     order = sorted(steps)
     gen = [float(steps[s]["generation_s"]) for s in order]
     upd = [float(steps[s]["training_s"]) for s in order]
@@ -616,64 +573,6 @@ def worker(spec_path: str) -> int:
 # the driver
 
 
-def git_info() -> dict:
-    def run(*cmd):
-        try:
-            return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=20).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"git_commit": run("git", "rev-parse", "HEAD") or None,
-            "git_dirty": bool(run("git", "status", "--porcelain", "--untracked-files=no"))}
-
-
-def machine_info() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
-    try:
-        info["cpus_usable"] = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        info["cpus_usable"] = os.cpu_count()
-    flags: set[str] = set()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=20).stdout
-        for line in out.splitlines():
-            key, _, val = line.partition(":")
-            if key.strip() == "Model name" and "cpu" not in info:
-                info["cpu"] = val.strip()
-            elif key.strip() == "Flags":
-                flags = set(val.split())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    if not flags or "cpu" not in info:
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                key, _, val = line.partition(":")
-                if key.strip() == "model name" and "cpu" not in info:
-                    info["cpu"] = val.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(val.split())
-        except OSError:
-            pass
-    info["flags"] = {f: f in flags for f in CPU_FLAGS}
-    try:
-        info["loadavg"] = [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        info["loadavg"] = None
-    return info
-
-
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "trl", "peft", "accelerate", "datasets"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
 NOT_MATCHED = [
     "the advantage, by design: BASIS (one rollout per prompt, baseline pooled over the other prompts) against TRL's "
     "GRPO (group mean, divided by the group std: scale_rewards='group', TRL's default).",
@@ -735,13 +634,6 @@ def plan(args) -> tuple[dict, dict]:
     return specs, shared
 
 
-def _loadavg():
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
 def run_arm(spec: dict, args) -> dict | None:
     """The arm's result.json, from an earlier run with the same settings or from a fresh subprocess."""
     arm_dir = Path(spec["run_dir"])
@@ -762,7 +654,7 @@ def run_arm(spec: dict, args) -> dict | None:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)]
     print(f"[{spec['arm']}] {LABELS[spec['arm']]}: {spec['prompts_per_step']} prompts x {spec['rollouts_per_prompt']} "
           f"rollouts per step -> {arm_dir}", flush=True)
-    load_before, t0 = _loadavg(), time.time()
+    load_before, t0 = loadavg(), time.time()
     if args.quiet:
         with open(arm_dir / "log.txt", "w") as log:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -775,7 +667,7 @@ def run_arm(spec: dict, args) -> dict | None:
               file=sys.stderr, flush=True)
         return None
     result = json.loads(result_path.read_text())
-    result.update(process_wall_s=round(wall, 1), loadavg_before=load_before, loadavg_after=_loadavg())
+    result.update(process_wall_s=round(wall, 1), loadavg_before=load_before, loadavg_after=loadavg())
     result_path.write_text(json.dumps(result, indent=1, default=str))
     print(f"[{spec['arm']}] finished in {wall:.0f} s (training clock {sum(result['step_clocks']):.0f} s, peak RSS "
           f"{_mb(result.get('peak_rss_mb'))})", flush=True)
@@ -795,8 +687,8 @@ def build_report(specs: dict, shared: dict, results: dict, argv: list[str], mach
     arm_order = [a for a in specs if a in arms]
     report = {"benchmark": "basis-lite vs TRL GRPOTrainer: held-out accuracy vs training clock, peak RSS",
               "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "command": "python bench/vs_trl.py " + " ".join(argv), **git_info(), "clock": CLOCK_NOTE,
-              "machine": machine, "versions": versions(), "arm_order": arm_order, "arms": arms,
+              "command": "python bench/vs_trl.py " + " ".join(argv), "clock": CLOCK_NOTE,
+              "machine": machine, "arm_order": arm_order, "arms": arms,
               "settings": dict(shared), "not_matched": list(NOT_MATCHED)}
     st = report["settings"]
     ns = {p["n"] for a in arms.values() for p in a["points"]}
@@ -828,8 +720,7 @@ def build_report(specs: dict, shared: dict, results: dict, argv: list[str], mach
 
 
 def write_outputs(report: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vs_trl.json").write_text(json.dumps(report, indent=2, default=str))
+    write_json(out / "vs_trl.json", report, indent=2)
     (out / "vs_trl.md").write_text(markdown(report))
     write_png(report, out / "vs_trl.png")
 
@@ -860,7 +751,7 @@ def parse_args(argv):
         args.eval_limit = 8 if args.eval_limit is None else args.eval_limit
     args.runs = args.runs.resolve()
     if args.out is None:
-        args.out = args.runs / "quick" if args.quick else ROOT / "bench" / "results" / "vs_trl"
+        args.out = args.runs / "quick" if args.quick else results_dir("vs_trl")
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     for name in ("steps", "eval_every", "eval_limit"):
         v = getattr(args, name)
@@ -885,7 +776,7 @@ def main(argv=None) -> int:
         if importlib.util.find_spec("trl") is None:
             print(f"error: the TRL arms need trl: {INSTALL_HINT}", file=sys.stderr)
             return 2
-    machine = machine_info()
+    machine = machine_record(PACKAGES)
     results, failed = {}, []
     for arm, spec in specs.items():
         res = run_arm(spec, args)

@@ -3,7 +3,6 @@ report table."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def sc():
-    sys.path.insert(0, str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location("bench_scaling", ROOT / "bench" / "scaling.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -39,9 +37,11 @@ def test_markdown_table(sc):
            "prompts_per_s": 4.0, "generation_s": 1.5, "training_s": 0.4, "gather_s": 0.002, "gather_wait_s": 0.1,
            "gather_bytes": 4096, "gather_share": 0.001, "allreduce_s": 0.05, "allreduce_bytes": 2**21,
            "explained_variance": 0.1}
-    info = {"cpu_model": "cpu", "cores": 2, "cpu_flags": {"avx2": True}, "git_commit": "abcdef1234567"}
-    md = sc.markdown({"settings": {"preset": "smoke", "per_rank_batch": 4, "steps": 3}, "provenance": info,
+    info = {"cpu_model": "cpu", "cores": 2, "cpu_flags": {"avx2": True}, "git_commit": "abcdef1234567",
+            "loadavg_before": [1.0, 1.0, 1.0], "loadavg_after": [2.0, 1.0, 1.0]}
+    md = sc.markdown({"settings": {"preset": "smoke", "per_rank_batch": 4, "steps": 3}, "machine": info,
                       "command": "python bench/scaling.py", "runs": [run],
                       "value_quality": {"a/b": {"8": {"ratio": 0.9, "ci90": [0.8, 1.0], "prompts": 10}}}})
     assert "| 2 | 8 | 1 | 2.00 | 0.500 | 4.00 |" in md and "| 4.0 | 0.10% | 0.050 | 2.00 |" in md
     assert "| a/b | 0.90 [0.80, 1.00] |" in md
+    assert "Measured on cpu, 2 cores; flags: avx2; commit abcdef1234; load average before / after [1.0" in md

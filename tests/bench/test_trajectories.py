@@ -103,7 +103,7 @@ def test_value_mse_on_trajectories(recording):
 def test_value_mse_on_trajectories_of_some_problem_kinds(recording):
     d, out = recording
     vm = _module("bench_value_mse_k", "value_mse.py")
-    vt = sys.modules["value_mse_trajectories"]
+    vt = sys.modules["bench.value_mse_trajectories"]
     with np.load(out) as z:
         ids = json.loads(str(z["meta"]))["probe_ids"]
     kind, share = next(iter(vt.kind_mix(ids).items()))

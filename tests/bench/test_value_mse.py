@@ -68,16 +68,6 @@ def test_similarity_helps_on_clustered_data(report):
     assert cell["basis:features_fixed"]["mse"] < cell["reinforce_pp"]["mse"]
 
 
-def test_truth_noise_unbiased(vm):
-    # with a constant baseline equal to the true value, the corrected squared error averages to ~0
-    rng = np.random.default_rng(0)
-    v = rng.uniform(0.1, 0.9, 4000)
-    pol = (rng.random((4000, 6)) < v[:, None]).astype(float)
-    raw, noise = vm._sq_err(v, pol, np.zeros_like(pol, dtype=bool))
-    assert abs((raw - noise).mean()) < 3e-3
-    assert raw.mean() > 0.02
-
-
 def test_mix_row(report):
     # BASIS mix (estimator.options.mix) on simulated runs: a row in every cell, ratio to REINFORCE++ on its own rows
     rep, out = report
@@ -102,13 +92,13 @@ def test_mix_stream_truth_never_used(vm, monkeypatch):
     sc = vm.Scenario("syn", "p", [f"q{i % 8}" if i < 8 else f"q{i % 8}#{i // 8}" for i in range(N)], pol,
                      rng.normal(size=(N, 4)).astype(np.float32), pol, False)
     seen_sq = []
-    orig = vm._sq_err
+    orig = vm.sq_err
 
     def spy(b, p, used):
         seen_sq.append(used.copy())
         return orig(b, p, used)
 
-    monkeypatch.setattr(vm, "_sq_err", spy)
+    monkeypatch.setattr(vm, "sq_err", spy)
     cell = vm.run_mix_streams(sc, 8, 4, np.random.default_rng(1), steps=10)
     assert cell is not None and cell["stream"]["steps"] == min(10, (M - 2) * N // 8)
     for used in seen_sq:

@@ -33,16 +33,6 @@ def _arm(vs, arm, pairs, step_clocks, **extra):
     return vs.summarize_arm(arm, _points(pairs), step_clocks, extra=extra)
 
 
-def test_clock_to_reach_is_the_first_eval_at_or_above(vs):
-    pts = _points([(0, 0.0, 0.50), (10, 100.0, 0.70), (20, 200.0, 0.80), (30, 300.0, 0.75)])
-    assert vs.clock_to_reach(pts, 0.75)["step"] == 20
-    assert vs.clock_to_reach(pts, 0.70)["clock_s"] == 100.0  # equal counts as reached
-    assert vs.clock_to_reach(pts, 0.50)["step"] == 0
-    assert vs.clock_to_reach(pts, 0.81) is None
-    # order of the list does not matter, the step does
-    assert vs.clock_to_reach(list(reversed(pts)), 0.75)["step"] == 20
-
-
 def test_headline_ratio_reached(vs):
     basis = _arm(vs, "basis", [(0, 0.0, 0.5), (10, 40.0, 0.7), (20, 80.0, 0.85)], [4.0] * 20)
     trl = _arm(vs, "trl8", [(0, 0.0, 0.5), (10, 150.0, 0.65), (20, 300.0, 0.8)], [15.0] * 20)
@@ -86,8 +76,10 @@ def _report(vs):
             "settings": {"preset": "p", "model": "m", "dataset": "d", "steps": 20, "eval_every": 10, "eval_n": 150,
                          "rollouts_per_step": 32, "dtype": "float32", "shared": {"lr": 3e-4},
                          "trl_config": {"loss_type": "dapo"}},
-            "not_matched": ["something"], "machine": {"cpu": "X", "flags": {"avx2": True}},
-            "versions": {"trl": "1.15.0"}, "git_commit": "abc", "command": "python bench/vs_trl.py"}
+            "not_matched": ["something"], "command": "python bench/vs_trl.py",
+            "machine": {"cpu_model": "X", "cores": 2, "cpus_usable": 2, "cpu_flags": {"avx2": True, "amx_bf16": False},
+                        "loadavg_before": [0.5, 0.4, 0.3], "git_commit": "abc", "git_dirty": True,
+                        "python": "3.11", "torch": "2.x", "trl": "1.15.0"}}
 
 
 def test_table_and_markdown(vs):
@@ -103,6 +95,8 @@ def test_table_and_markdown(vs):
     assert "ratio **0.267** (meets the 1/3 target)" in md
     assert vs.CLOCK_NOTE in md and "Not matched exactly: something" in md and "`loss_type=dapo`" in md
     assert "| basis | 32 x 1 | 20 |" in md
+    assert "Machine: X, 2 cores; flags: avx2; without amx_bf16; 2 CPUs usable; load average at start [0.5, 0.4, 0.3]" in md
+    assert "trl 1.15.0" in md and "Commit abc (with uncommitted changes)" in md
 
 
 def test_write_outputs(vs, tmp_path):

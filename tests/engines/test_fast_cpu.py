@@ -252,11 +252,9 @@ def test_bench_generation_runs_both_paths_on_the_tiny_model(tmp_path):
     (no timing asserted)."""
     import importlib.util
     import json
-    import sys
 
     from conftest import REPO
 
-    sys.path.insert(0, str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location("bench_generation", REPO / "bench" / "generation.py")
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
