@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 
 from bench.lib.paths import results_dir  # noqa: E402
 from bench.lib.provenance import flags_line, machine_record, with_load_after  # noqa: E402
-from bench.lib.report import write_json  # noqa: E402
+from bench.lib.report import markdown_table, write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -88,15 +88,15 @@ def main(argv=None) -> int:
         "# Trajectory features: cost per step", "",
         f"Preset `{a.preset}`, {n} prompts x 1 rollout, up to {params.max_new_tokens} new tokens, {dtype}, "
         f"{a.threads} torch threads, {a.repeats} repeats. Generated {rep['created']} by `{rep['command']}`.", "",
-        "| what | seconds per step, median (min) | vs generation without features, median (min) |", "|---|---|---|",
-        f"| generation, no trajectory features (the default) | {m['plain']:.2f} ({lo['plain']:.2f}) | 1.00 |",
-        f"| generation with the HF capture (hook + logits processor) | {m['with_trajectory']:.2f} "
-        f"({lo['with_trajectory']:.2f}) | {m['ratio']:.3f} ({lo['ratio']:.3f}) |",
-        f"| the capture's own time (inside the line above) | {m['capture']:.3f} ({lo['capture']:.3f}) | "
-        f"{m['capture'] / m['plain']:.3f} ({lo['capture'] / lo['plain']:.3f}) |",
-        f"| vLLM path: early-exit forward of the completions (after generation) | {m['early_exit_forward']:.2f} "
-        f"({lo['early_exit_forward']:.2f}) | {m['early_exit_forward'] / m['plain']:.3f} "
-        f"({lo['early_exit_forward'] / lo['plain']:.3f}) |", "",
+        markdown_table(("what", "seconds per step, median (min)", "vs generation without features, median (min)"), [
+            ["generation, no trajectory features (the default)", f"{m['plain']:.2f} ({lo['plain']:.2f})", "1.00"],
+            ["generation with the HF capture (hook + logits processor)",
+             f"{m['with_trajectory']:.2f} ({lo['with_trajectory']:.2f})", f"{m['ratio']:.3f} ({lo['ratio']:.3f})"],
+            ["the capture's own time (inside the line above)", f"{m['capture']:.3f} ({lo['capture']:.3f})",
+             f"{m['capture'] / m['plain']:.3f} ({lo['capture'] / lo['plain']:.3f})"],
+            ["vLLM path: early-exit forward of the completions (after generation)",
+             f"{m['early_exit_forward']:.2f} ({lo['early_exit_forward']:.2f})",
+             f"{m['early_exit_forward'] / m['plain']:.3f} ({lo['early_exit_forward'] / lo['plain']:.3f})"]]), "",
         "Per repeat (seconds; the same batch and seed, decoded twice): "
         + "; ".join(f"plain {p:.2f} / with capture {t:.2f} (capture {c:.3f})"
                     for p, t, c in zip(plain_s, traj_s, capture_s)) + ".", "",

@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 
 from bench.lib.paths import results_dir  # noqa: E402
 from bench.lib.provenance import flags_line, machine_record, with_load_after  # noqa: E402
-from bench.lib.report import write_json  # noqa: E402
+from bench.lib.report import markdown_table, write_json  # noqa: E402
 
 SPEED_FIELDS = ("step_s", "generation_s", "training_s", "gather_s", "gather_wait_s", "gather_bytes", "allreduce_s",
                 "allreduce_bytes", "explained_variance", "reward_mean")
@@ -126,26 +126,25 @@ def markdown(report: dict) -> str:
              "N processes do N times the work on the same cores, so steps/s is expected to fall as N grows, and "
              "prompts/s shows what the cores deliver; on N GPUs each rank has its own card. Means over the steps "
              "after the first.", "",
-             "| processes | global batch | threads/rank | step s | steps/s | prompts/s | generation s | training s | "
-             "all-gather s | wait before it s | all-gather KiB | share of step | grad all-reduce s | all-reduce MiB "
-             "| explained variance |", "|" + "---|" * 15]
-    for r in report["runs"]:
-        lines.append(f"| {r['procs']} | {r['global_batch']} | {r['threads_per_rank']} | {r['step_s']:.2f} | "
-                     f"{r['steps_per_s']:.3f} | {r['prompts_per_s']:.2f} | {r['generation_s']:.2f} | "
-                     f"{r['training_s']:.2f} | {r['gather_s']:.4f} | {r['gather_wait_s']:.3f} | "
-                     f"{r['gather_bytes'] / 1024:.1f} | {100 * r['gather_share']:.2f}% | {r['allreduce_s']:.3f} | "
-                     f"{r['allreduce_bytes'] / 2**20:.2f} | {r['explained_variance']:+.3f} |")
+             markdown_table(
+                 ("processes", "global batch", "threads/rank", "step s", "steps/s", "prompts/s", "generation s",
+                  "training s", "all-gather s", "wait before it s", "all-gather KiB", "share of step",
+                  "grad all-reduce s", "all-reduce MiB", "explained variance"),
+                 [[r["procs"], r["global_batch"], r["threads_per_rank"], f"{r['step_s']:.2f}",
+                   f"{r['steps_per_s']:.3f}", f"{r['prompts_per_s']:.2f}", f"{r['generation_s']:.2f}",
+                   f"{r['training_s']:.2f}", f"{r['gather_s']:.4f}", f"{r['gather_wait_s']:.3f}",
+                   f"{r['gather_bytes'] / 1024:.1f}", f"{100 * r['gather_share']:.2f}%", f"{r['allreduce_s']:.3f}",
+                   f"{r['allreduce_bytes'] / 2**20:.2f}", f"{r['explained_variance']:+.3f}"]
+                  for r in report["runs"]])]
     q = report["value_quality"]
     if q:
         bs = sorted({int(b) for v in q.values() for b in v})
         lines += ["", "Value-estimate quality at each global batch: baseline MSE of BASIS (default, no prior) / "
                   "REINFORCE++'s batch mean on the recorded SmolLM2 rollouts (bench/value_mse.py's protocol; "
-                  "90% bootstrap interval; lower is better).", "",
-                  "| scenario | " + " | ".join(f"B={b}" for b in bs) + " |", "|---|" + "---|" * len(bs)]
-        for name, cells in q.items():
-            row = [f"{cells[str(b)]['ratio']:.2f} [{cells[str(b)]['ci90'][0]:.2f}, {cells[str(b)]['ci90'][1]:.2f}]"
-                   if str(b) in cells else "-" for b in bs]
-            lines.append(f"| {name} | " + " | ".join(row) + " |")
+                  "90% bootstrap interval; lower is better).", ""]
+        lines.append(markdown_table(["scenario"] + [f"B={b}" for b in bs], [
+            [name] + [f"{cells[str(b)]['ratio']:.2f} [{cells[str(b)]['ci90'][0]:.2f}, {cells[str(b)]['ci90'][1]:.2f}]"
+                      if str(b) in cells else "-" for b in bs] for name, cells in q.items()]))
     return "\n".join(lines) + "\n"
 
 

@@ -81,7 +81,7 @@ from basis_lite.estimators.probe_options import mix_replay_capacity  # noqa: E40
 from basis_lite.rl.priors import PSEUDO_COUNT, prior_values  # noqa: E402
 from bench.basis_variants import BASIS_VARIANTS  # noqa: E402
 from bench.lib.paths import results_dir  # noqa: E402
-from bench.lib.report import fmt_na, write_json  # noqa: E402
+from bench.lib.report import fmt_na, markdown_table, write_json  # noqa: E402
 from bench.lib.value_errors import GROUP_SIZES, ErrorSums, sq_err, summarise  # noqa: E402
 
 RECORDINGS = results_dir("record_rollouts")  # rollouts_*.npz of bench/record_rollouts.py
@@ -474,39 +474,37 @@ def markdown(report: dict) -> str:
                      f"mean reward {s['mean_reward_policy']:.3f}), reference T=1.0 ({s['ref_samples']} samples/prompt, "
                      f"mean reward {s['mean_reward_ref']:.3f}); Var(V) across prompts = {s['value_var']:.4f}; truth "
                      f"noise subtracted (leave-one-out rows) = {s['truth_noise_none']:.4f}")
-    lines += ["", "| estimator | " + " | ".join(f"{sk} B={B}" for sk, B in cols) + " |",
-              "|---|" + "---|" * len(cols)]
+    rows = []
     for n in order:
         cells = []
         for sk, B in cols:
             c = scen[sk]["results"][B].get(n)
             cells.append("" if c is None else f"{fmt_na(c['mse'])} ({fmt_na(c['ratio'], 2)})")
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        rows.append([n] + cells)
+    lines += ["", markdown_table(["estimator"] + [f"{sk} B={B}" for sk, B in cols], rows)]
     mix = [(sk, B, r["basis:mix@K0"]) for sk, s in scen.items() for B, r in s["results"].items() if "basis:mix@K0" in r]
     if mix:
         lines += ["", "## BASIS mix on simulated runs", "",
                   "Per cell: runs x steps (scored from step), MSE ratio to REINFORCE++ of the mix, of the plain "
                   "default and of the leave-one-out mean on the same rows, and the mix's mean weights on the scored "
-                  "steps.", "",
-                  "| cell | runs x steps (scored from) | mix | basis:default@K0 | basis:loo_mean | mean weights |",
-                  "|---|---|---|---|---|---|"]
+                  "steps.", ""]
+        rows = []
         for sk, B, c in mix:
             st = c["stream"]
-            w = ", ".join(f"{k} {v:.2f}" for k, v in st["mean_weights"].items())
-            lines.append(f"| {sk} B={B} | {st['runs']} x {st['steps']} ({st['scored_from_step']}) | "
-                         f"{fmt_na(c['ratio'], 2)} [{fmt_na(c['ratio_ci90'][0], 2)}, "
-                         f"{fmt_na(c['ratio_ci90'][1], 2)}] | "
-                         f"{fmt_na(st['basis:default@K0_ratio_same_rows'], 2)} | "
-                         f"{fmt_na(st['basis:loo_mean_ratio_same_rows'], 2)} | {w} |")
+            rows.append([f"{sk} B={B}", f"{st['runs']} x {st['steps']} ({st['scored_from_step']})",
+                         f"{fmt_na(c['ratio'], 2)} [{fmt_na(c['ratio_ci90'][0], 2)}, {fmt_na(c['ratio_ci90'][1], 2)}]",
+                         fmt_na(st["basis:default@K0_ratio_same_rows"], 2),
+                         fmt_na(st["basis:loo_mean_ratio_same_rows"], 2),
+                         ", ".join(f"{k} {v:.2f}" for k, v in st["mean_weights"].items())])
+        lines.append(markdown_table(("cell", "runs x steps (scored from)", "mix", "basis:default@K0",
+                                     "basis:loo_mean", "mean weights"), rows))
     t = report["targets"]
     lines += ["", "## Targets", "", f"Default tested: `{t['default_spec']}`", ""]
     for k, v in t["checks"].items():
         lines.append(f"- {k}: **{v['pass']}** — {v['detail']}")
     lines += ["", "## MSE ratio to REINFORCE++ as a function of K (largest B of each scenario)", "",
-              "| estimator | " + " | ".join(report["k_curve"]["columns"]) + " |",
-              "|---|" + "---|" * len(report["k_curve"]["columns"])]
-    for n, vals in report["k_curve"]["rows"].items():
-        lines.append(f"| {n} | " + " | ".join(fmt_na(v, 2) for v in vals) + " |")
+              markdown_table(["estimator", *report["k_curve"]["columns"]],
+                             [[n, *(fmt_na(v, 2) for v in vals)] for n, vals in report["k_curve"]["rows"].items()])]
     rec = report["recommendation"]
     lines += ["", "## Recommendation", "", rec["text"], ""]
     return "\n".join(lines)

@@ -43,7 +43,7 @@ from basis_lite.estimators.basis import basis_baseline
 from basis_lite.estimators.poise import basis_probe_with_probe, fit_poise_probe, fit_prompt_probe, poise_with_probe
 from basis_lite.estimators.probe import ReplayBuffer
 from basis_lite.estimators.probe_options import poise_options, split_basis_probe
-from bench.lib.report import fmt_na, write_json
+from bench.lib.report import fmt_na, markdown_table, write_json
 from bench.lib.value_errors import ErrorSums, summarise
 
 # name -> (estimator, options); the defaults first
@@ -294,14 +294,14 @@ def markdown(report: dict) -> str:
                      + ", basis_probe:default "
                      + ("warm, ridge " + fmt_na(pr['basis_probe:default']['ridge'], 0)
                         if pr.get("basis_probe:default", {}).get("warm") else "not warm (BASIS)"))
-    lines += ["", "| estimator | " + " | ".join(f"step {t} B={B}" for t, B in cols) + " |",
-              "|---|" + "---|" * len(cols)]
+    rows = []
     for n in order:
         cells = []
         for t, B in cols:
             c = report["steps"][t]["results"][B].get(n)
             cells.append("" if c is None else f"{fmt_na(c['mse'])} ({fmt_na(c['ratio'], 2)})")
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        rows.append([n] + cells)
+    lines += ["", markdown_table(["estimator"] + [f"step {t} B={B}" for t, B in cols], rows)]
     tg = report["targets"]
     lines += ["", f"## Targets on the mid-training steps {report['settings']['mid_steps']}", ""]
     for cell, v in tg["cells"].items():
