@@ -120,9 +120,10 @@ EAPO (prior on levels 1-3, then levels 4-5 with and without injection, three see
 Outputs: ``--out`` (default bench/results/learning) gets learning.json (per arm: eval points (step, clock_s,
 eval_accuracy), prior seconds, final accuracy, settings; the machine record of bench/lib/provenance.py),
 learning.md (table) and learning.png (accuracy vs wall-clock). The run folders (checkpoints, metrics.jsonl,
-summary.json, one log per arm) go to ``--runs`` (default runs/bench-learning-<preset>, git-ignored). Resumable per arm: an arm whose run folder holds summary.json is
-skipped, one with a checkpoint is resumed (``train(resume=True)``), anything else is started afresh; the arm's
-settings are stored next to its folder and a rerun with different settings stops with an error instead of mixing.
+summary.json, one log per arm) go to ``--runs`` (default runs/bench-learning-<preset>, git-ignored). Resumable per
+arm: an arm whose run folder holds summary.json is skipped, one with a checkpoint is resumed
+(``train(resume=True)``), anything else is started afresh; the arm's settings are stored next to its folder and a
+rerun with different settings stops with an error instead of mixing.
 
 Expected runtime (preset defaults, 2 CPU cores): one default run is ~20 min of training + ~1 min per eval, so the
 four arms take ~3-4x one default run (~1.5 h with eval every 10 steps), PLUS the basis_prior arm's prior pass:

@@ -16,8 +16,9 @@ the levels); a question the draw revisits (``data.revisit``: level 1 of the defa
 questions) is recorded again as its own prompt, with its own samples, under the id ``ID#k``, so the prompts keep
 the training draw's level shares.
 
-Stored in ``bench/results/record_rollouts/rollouts_<family>.npz`` (rewards uint8 [N, S], features float16 [N, D], completion
-lengths uint8, plus a JSON ``meta`` string: questions, answers, levels, settings, timings, the adapter's sha256).
+Stored in ``bench/results/record_rollouts/rollouts_<family>.npz`` (rewards uint8 [N, S], features float16 [N, D],
+completion lengths uint8, plus a JSON ``meta`` string: questions, answers, levels, settings, timings, the adapter's
+sha256, the machine record of bench/lib/provenance.py).
 The file is rewritten after every policy, so an interrupted recording keeps what it finished. ``--max-seconds``
 stops a long policy part-way (exit status 3, the prompts done so far saved); ``--append`` continues it with the
 same result as one uninterrupted run (each generate() chunk is seeded from its first prompt's index).
@@ -31,8 +32,8 @@ The default task (levels [1, 3, 5]; 2 CPU cores, bf16 as the run was trained; be
     python bench/record_rollouts.py --prompts 512 --ref-samples 8 --policy-samples 8 --temps --threads 2 \
         --dtype bfloat16 --out bench/results/record_rollouts/rollouts_arithmetic_default.npz --max-seconds 420
     python bench/record_rollouts.py --prompts 512 --ref-samples 8 --policy-samples 8 --temps --threads 2 \
-        --dtype bfloat16 --out bench/results/record_rollouts/rollouts_arithmetic_default.npz --max-seconds 420 --append \
-        --adapter runs/l22/seed0/basis/checkpoints/step-000010/adapter     # each repeated until it exits 0
+        --dtype bfloat16 --out bench/results/record_rollouts/rollouts_arithmetic_default.npz --max-seconds 420 \
+        --append --adapter runs/l22/seed0/basis/checkpoints/step-000010/adapter     # each repeated until it exits 0
 
 (the adapter: the BASIS arm of ``bench/learning.py`` on the default preset, seed 0, after 10 of 20 steps; 233 s +
 260 s of sampling, bench/results/value_mse/default/README.md).

@@ -1,8 +1,8 @@
 """Value-estimate MSE of single-rollout baselines (BASIS variants) against REINFORCE++, GRPO group means and RLOO.
 
-Input: recordings from ``bench/record_rollouts.py`` (``bench/results/record_rollouts/rollouts_*.npz``: real SmolLM2 rollouts, many
-per prompt, from the reference model and from shifted policies, with the policies' prompt features). No model is
-loaded here: the analysis re-runs from the recording in seconds to a minute.
+Input: recordings from ``bench/record_rollouts.py`` (``bench/results/record_rollouts/rollouts_*.npz``: real SmolLM2
+rollouts, many per prompt, from the reference model and from shifted policies, with the policies' prompt features).
+No model is loaded here: the analysis re-runs from the recording in seconds to a minute.
 
 Protocol (per task family x policy x batch size B)
 -------------------------------------------------
@@ -746,7 +746,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                     help="default 32 64 128 256 (16 32 64 128 with --trajectories)")
     ap.add_argument("--trajectories", nargs="*", default=None, metavar="NPZ",
-                    help="analyse trajectory recordings instead (default: bench/results/record_trajectories/trajectories_*.npz)")
+                    help="analyse trajectory recordings instead (default: "
+                         "bench/results/record_trajectories/trajectories_*.npz)")
     ap.add_argument("--buffer-size", type=int, default=4096, help="--trajectories: replay buffer rows")
     ap.add_argument("--min-rows", type=int, default=None,
                     help="--trajectories: buffer rows every probe needs before use (default: each variant's own)")
