@@ -15,12 +15,12 @@ generation seconds and training seconds per step (mean over the measured steps, 
 GPU memory (torch max_memory_allocated, and the device's used memory at the end), and basis-lite's `plan` estimate
 for the same config next to it. Prints a table; writes bench/results/gpu_step/gpu_step.json (and $OUT/gpu_step.json).
 
-Run it on the device machine (an offline H200 with Python 3.12, torch 2.11 and transformers 5.17):
-    here, once:  fetch the GPU wheels into .whl/ (git-ignored) with the device machine's wheel script
-    there:       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+Run it on a GPU machine without network (measured target: an H200 with Python 3.12, torch 2.11, transformers 5.17):
+    once, on a machine with network: download the GPU wheels into .whl/ (git-ignored) and copy the folder over
+    on the GPU machine: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                    --target .whl/site .whl/*.whl && export PYTHONPATH=$PWD:$PWD/.whl/site \
                    && python3 bench/gpu_step.py --out "$OUT"
-    (the device tool's `run` with carry=[".whl"]; about 5-8 minutes for all variants. The wheels carry no vLLM,
+    (about 5-8 minutes for all variants. The wheels carry no vLLM,
     so basis-unsloth-vllm is skipped there and Unsloth falls back to its own generate.)
 On a CPU only `--help` and `--dry-run` work: the dry run goes through the basis-hf code path on the tiny random
 model (no 4-bit, 4 prompts x 8 tokens) so that this script is exercised by the test suite.
