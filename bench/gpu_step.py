@@ -15,7 +15,7 @@ generation seconds and training seconds per step (mean over the measured steps, 
 GPU memory (torch max_memory_allocated, and the device's used memory at the end), and basis-lite's `plan` estimate
 for the same config next to it. Prints a table; writes bench/results/gpu_step/gpu_step.json (and $OUT/gpu_step.json).
 
-Run it on a GPU machine without network (measured target: an H200 with Python 3.12, torch 2.11, transformers 5.17):
+Run it on a GPU machine without network (written for an H200 with Python 3.12, torch 2.11, transformers 5.17):
     once, on a machine with network: download the GPU wheels into .whl/ (git-ignored) and copy the folder over
     on the GPU machine: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                    --target .whl/site .whl/*.whl && export PYTHONPATH=$PWD:$PWD/.whl/site \
