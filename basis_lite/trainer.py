@@ -1,6 +1,7 @@
 """The RL loop: prompts -> one rollout each -> rewards -> baselines -> policy update, top to bottom.
 
-    run = setup(cfg, run_dir, resume)                 model, engine, optimizer, sampler, prior, ... (a RunState)
+    run = setup(cfg, run_dir, resume)                 model, engine, optimizer, sampler, prior, ... (a RunState,
+                                                        basis_lite.rl.state: saved and restored there too)
     for n in ...:
         step = rollout_step(run, n)                     B prompts -> G completions each -> rewards, gathered over
                                                         the ranks into one record (basis_lite.rl.step.Step)
@@ -16,7 +17,6 @@ buffer of earlier steps). Errors a user can fix surface as the exceptions of `ba
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -34,73 +34,22 @@ from .engines.base import params_from_config
 from .engines.seeded import stream_seed
 from .errors import Interrupted, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
-from .estimators.basis_mix import ValueTracker
-from .estimators.probe import ReplayBuffer
 from .faults import maybe_kill
 from .model.loading import cache_root, count_parameters, reset_peak_memory
 from .rewards.scorer import RewardScorer, column_names, example_columns
 from .rl import distributed
 from .rl.evaluate import evaluate
 from .rl.priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
-from .rl.state import fresh_learning_state, resume_from, stored_decisions
+from .rl.state import RunState, checkpoint_state, fresh_learning_state, resume_from, stored_decisions
 from .rl.step import Step
 from .rl.update import make_optimizer, make_scheduler, policy_update
 from .runs import checkpoint as ckpt
 from .runs.folder import claim_on_main, interrupt_message
 from .runs.metrics import MetricsLog
-from .runtime import DECIDED_FILE, Decided, build_policy, decide_run, seed_everything
+from .runtime import DECIDED_FILE, build_policy, decide_run, seed_everything
 from .safeio import atomic_write_text, disk_full_error, is_disk_full, publish_dir
 
 log = logging.getLogger("basis_lite")
-
-
-@dataclasses.dataclass
-class RunState:
-    """Everything one training run holds, built by `setup` and read by the step functions."""
-
-    cfg: Config
-    run_dir: Path
-    device: torch.device
-    model: object
-    tok: object
-    engine: object
-    scorer: RewardScorer
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    scaler: object  # torch GradScaler for fp16 on a GPU, else None
-    sampler: PromptSampler
-    metrics: MetricsLog
-    estimator: object  # the EstimatorSpec registered under cfg.estimator.name
-    prompt_of: dict  # example id -> rendered prompt
-    eval_examples: list
-    prior_table: dict | None = None
-    history: dict = dataclasses.field(default_factory=dict)  # example id -> [successes, rollouts] of earlier steps
-    replay: ReplayBuffer | None = None  # earlier steps' rollouts, for estimators that keep a buffer
-    est_state: object = None  # the estimator's own state across steps (EstimatorSpec.state), e.g. basis mix
-    value_tracker: ValueTracker | None = None  # data.value_sampling: per-prompt tracked values for the sampler
-    step: int = 0  # last completed step
-    bad_steps: int = 0  # non-finite steps in a row
-    summary: dict = dataclasses.field(default_factory=dict)
-    progress: bool = True
-    ranks: distributed.Ranks = dataclasses.field(default_factory=distributed.Ranks)  # data-parallel ranks (or one)
-    per_prompt_rng: bool = False  # rollouts from per-prompt streams (generation.rng)
-    decided: Decided | None = None  # what the run decided at run time (kept on resume)
-
-    @property
-    def uses_features(self) -> bool:
-        return self.estimator.uses_features and self.cfg.estimator.use_features
-
-    @property
-    def uses_history(self) -> bool:
-        return self.estimator.uses_history and self.cfg.estimator.history
-
-    @property
-    def uses_trajectory(self) -> bool:
-        return self.estimator.uses_trajectory
-
-    @property
-    def with_prior(self) -> bool:
-        return self.estimator.with_prior(self.cfg.estimator)
 
 
 def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, progress: bool = True) -> dict:
@@ -238,19 +187,6 @@ def load_prior(run: RunState, train_ex) -> None:
     ckpt.set_rng_state(rng_before)
     run.summary["prior_seconds"] = run.prior_table.get("seconds", 0.0)
     run.summary["prior_cached"] = run.prior_table["cached"]
-
-
-def checkpoint_state(run: RunState) -> dict:
-    return {"step": run.step, "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
-            "sampler": run.sampler.state_dict(), "rng": ckpt.rng_state(), "history": run.history,
-            "bad_steps": run.bad_steps, "eval_before": run.summary.get("eval_before"),
-            "scaler": run.scaler.state_dict() if run.scaler is not None else None,
-            "prior_key": run.prior_table["key"] if run.prior_table else None,
-            "ranks": run.ranks.world, "rng_mode": "per_prompt" if run.per_prompt_rng else "global",
-            "replay": run.replay.state_dict() if run.replay is not None else None,
-            "estimator_state": run.est_state.state_dict() if run.est_state is not None else None,
-            "value_tracker": run.value_tracker.state_dict() if run.value_tracker is not None else None,
-            "decided": run.decided.as_dict() if run.decided is not None else None}
 
 
 def _config_text(run: RunState) -> str:

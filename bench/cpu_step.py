@@ -37,8 +37,8 @@ estimator.rollouts_per_prompt samples each, generation.max_new_tokens and genera
 train` draws it. Each (engine, dtype) runs in a fresh subprocess (its own memory): model.loading.load_policy and
 runtime.make_engine (the engine generation.engine names; --engine sets it), a warm-up (2 prompts x 2 new tokens;
 one forward and backward of one sequence, gradients dropped) so first-call costs stay out of the timings, then the
-trainer's own step functions on a trainer.RunState, the global RNG reseeded before each generation so every repeat
-samples the same rollouts:
+trainer's own step functions on a RunState (basis_lite.rl.state), the global RNG reseeded before each generation
+so every repeat samples the same rollouts:
   - trainer.rollout (engine.sync + engine.generate, with prompt features when the estimator uses them).
     fast engine: the FastDecoder's methods are wrapped on the instance (`FastRecorder`): "gen weights" is its
     refresh() (the adapter merged into float32 copies of the weights, or the fused 16-bit base copies with the
@@ -172,7 +172,7 @@ def _step_api():
     """The trainer's step functions and the modules whose globals the timers wrap."""
     from basis_lite import trainer as trainer_mod
 
-    missing = [n for n in ("RunState", "rollout", "score", "baselines", "update", "policy_update")
+    missing = [n for n in ("rollout", "score", "baselines", "update", "policy_update")
                if not hasattr(trainer_mod, n)]
     if missing:
         raise SystemExit(f"basis_lite.trainer has no {', '.join(missing)}: bench/cpu_step.py follows the trainer's "
@@ -315,7 +315,7 @@ class Child:
         prompt_of = {ex.id: format_prompt(tok, ex.question, cfg.data) for ex in self.batch}
         self.prompts = [prompt_of[ex.id] for ex in self.batch]
         optimizer = upd.make_optimizer(cfg, model, self.device)
-        self.run = make_run_state(self.trainer_mod, cfg=cfg, run_dir=Path(tempfile.gettempdir()), device=self.device,
+        self.run = make_run_state(cfg=cfg, run_dir=Path(tempfile.gettempdir()), device=self.device,
                                   model=model, tok=tok, engine=engine, scorer=self.scorer, optimizer=optimizer,
                                   scheduler=upd.make_scheduler(cfg, optimizer), scaler=None,
                                   estimator=get_estimator(cfg.estimator.name), prompt_of=prompt_of, eval_examples=[],

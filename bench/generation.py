@@ -173,7 +173,7 @@ def measure_step(preset: str, dtype_name: str, overrides: list[str]) -> dict:
                       scorer=RewardScorer(cfg.reward), optimizer=opt, scheduler=make_scheduler(cfg, opt),
                       estimator=get_estimator(cfg.estimator.name), prompt_of=dict(zip([e.id for e in batch], prompts)),
                       eval_examples=[])
-        run = make_run_state(trainer, progress=False, scaler=None, **fields)
+        run = make_run_state(progress=False, scaler=None, **fields)
         eng.generate(prompts[:2], trainer.params_from_config(cfg.generation, max_new_tokens=2))
         seed_everything(cfg.train.seed)
         t0 = time.perf_counter()

@@ -2,7 +2,8 @@
 a lower layer up to a higher one, no private name imported from another module (bench/ included), the torch-free
 layers free of torch at import, bench/lib importing no bench script, and a tests/<sub-package>/ folder for every
 sub-package. Read from the source with ast (imports inside functions and ``importlib.import_module("...")`` strings
-count). ``python tests/test_structure.py`` prints the measures."""
+count; imports under ``if TYPE_CHECKING:`` do not, they never run). ``python tests/test_structure.py`` prints the
+measures."""
 from __future__ import annotations
 
 import ast
@@ -139,16 +140,13 @@ def _known(name: str | None, mods: dict) -> str | None:
 
 
 def _nodes(tree: ast.AST, at_import: bool):
-    """Every node of a module; with at_import, only those that run when it is imported (no function bodies, no
-    `if TYPE_CHECKING:` block)."""
-    if not at_import:
-        yield from ast.walk(tree)
-        return
+    """Every node of a module that can run: none of an `if TYPE_CHECKING:` block (imports there only name types for
+    annotations); with at_import, only those that run when it is imported (no function bodies either)."""
     todo = [tree]
     while todo:
         node = todo.pop()
         yield node
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        if at_import and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             continue
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             todo += node.orelse
@@ -157,7 +155,8 @@ def _nodes(tree: ast.AST, at_import: bool):
 
 
 def imports(mods: dict[str, Path], at_import: bool = False) -> dict[str, set]:
-    """module -> the modules of `mods` it imports: anywhere in the file, or (at_import) when it is imported."""
+    """module -> the modules of `mods` it imports: anywhere in the file but an `if TYPE_CHECKING:` block, or
+    (at_import) when it is imported."""
     scripts = {p.stem for p in BENCH.glob("*.py")}
     graph: dict[str, set] = {m: set() for m in mods}
     for mod, path in mods.items():
@@ -304,6 +303,13 @@ def test_every_module_has_a_layer_and_none_imports_upward():
     assert [m for m in mods if layer_of(m) < 0] == []
     assert sorted(m for m in LAYER_OF if m not in mods) == []  # the table names no module that is gone
     assert upward(imports(mods)) == []
+
+
+def test_imports_under_type_checking_do_not_count_but_those_in_functions_and_its_else_branch_do(tmp_path):
+    (tmp_path / "m.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .trainer import A\n"
+                                   "else:\n    from .runtime import B\ndef f():\n    from .cli import C\n")
+    mods = {**modules(), "m": tmp_path / "m.py"}
+    assert imports(mods)["m"] == {"runtime", "cli"} and imports(mods, at_import=True)["m"] == {"runtime"}
 
 
 def test_layers_are_listed_by_sub_package():

@@ -2,6 +2,7 @@
 
     engine.sync(model)                                   push the current adapter (a no-op where the engine IS the model)
     engine.generate(prompts, params) -> list[Rollout]    n samples per prompt, prompt-major order
+    engine.trajectory_seconds                            time spent on trajectory features, summed over generate()
 
 A Rollout carries token ids, the engine's log-prob of every completion token under the policy being trained (at the
 sampling temperature: the behaviour log-probs the update compares with its own), and, where the engine can give it
@@ -63,6 +64,8 @@ class Rollout:
 @runtime_checkable
 class Engine(Protocol):
     name: str
+    trajectory_seconds: float  # time spent on trajectory features, summed over generate() calls; the trainer zeroes
+    # it before a step's rollouts to read that step's share
 
     def sync(self, model=None) -> None:
         """Make the next generate() use the model's current adapter weights."""

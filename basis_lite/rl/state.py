@@ -1,20 +1,94 @@
-"""Resuming a run: what it decided when it started (`stored_decisions`), and the newest checkpoint whose content
-checks out (`resume_from`: adapter tensors, trainer state, RNG, optimizer moments, data position, history), each
-unusable one logged and skipped. Used by trainer.setup."""
+"""What a training run holds (`RunState`), how it is saved into a checkpoint (`checkpoint_state`) and how it is
+restored: what the run decided when it started (`stored_decisions`), the newest checkpoint whose content checks out
+(`resume_from`: adapter tensors, trainer state, RNG, optimizer moments, data position, history, learning state),
+each unusable one logged and skipped, and the learning state as at step 0 (`fresh_learning_state`). The trainer
+builds a RunState in `trainer.setup` and its step functions read and update it."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
+import torch
+
+from ..config import Config
 from ..data import PromptSampler
+from ..engines.base import Engine
+from ..estimators import EstimatorSpec
 from ..estimators.basis_mix import ValueTracker, selection_probability
 from ..estimators.probe import ReplayBuffer
+from ..rewards.scorer import RewardScorer
 from ..runs import checkpoint as ckpt
-from ..runtime import DECIDED_FILE, read_decided
+from ..runs.metrics import MetricsLog
+from ..runtime import DECIDED_FILE, Decided, read_decided
 from ..safeio import read_json
+from .distributed import Ranks
 from .update import make_optimizer, make_scheduler
 
 log = logging.getLogger("basis_lite")
+
+
+@dataclasses.dataclass
+class RunState:
+    """Everything one training run holds, built by `trainer.setup` and read and updated by the step functions."""
+
+    cfg: Config
+    run_dir: Path
+    device: torch.device
+    model: object  # the peft model being trained
+    tok: object
+    engine: Engine
+    scorer: RewardScorer
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: object  # torch GradScaler for fp16 on a GPU, else None
+    sampler: PromptSampler
+    metrics: MetricsLog  # rank 0's; the other ranks hold a distributed.NullMetrics
+    estimator: EstimatorSpec  # the one registered under cfg.estimator.name
+    prompt_of: dict  # example id -> rendered prompt
+    eval_examples: list
+    prior_table: dict | None = None
+    history: dict = dataclasses.field(default_factory=dict)  # example id -> [successes, rollouts] of earlier steps
+    replay: ReplayBuffer | None = None  # earlier steps' rollouts, for estimators that keep a buffer
+    est_state: object = None  # the estimator's own state across steps (EstimatorSpec.state), e.g. basis mix
+    value_tracker: ValueTracker | None = None  # data.value_sampling: per-prompt tracked values for the sampler
+    step: int = 0  # last completed step
+    bad_steps: int = 0  # non-finite steps in a row
+    summary: dict = dataclasses.field(default_factory=dict)
+    progress: bool = True
+    ranks: Ranks = dataclasses.field(default_factory=Ranks)  # data-parallel ranks (or one)
+    per_prompt_rng: bool = False  # rollouts from per-prompt streams (generation.rng)
+    decided: Decided | None = None  # what the run decided at run time (kept on resume)
+
+    @property
+    def uses_features(self) -> bool:
+        return self.estimator.uses_features and self.cfg.estimator.use_features
+
+    @property
+    def uses_history(self) -> bool:
+        return self.estimator.uses_history and self.cfg.estimator.history
+
+    @property
+    def uses_trajectory(self) -> bool:
+        return self.estimator.uses_trajectory
+
+    @property
+    def with_prior(self) -> bool:
+        return self.estimator.with_prior(self.cfg.estimator)
+
+
+def checkpoint_state(run: RunState) -> dict:
+    """The trainer state a checkpoint stores next to the adapter; `check_checkpoint` and `restore` read it back."""
+    return {"step": run.step, "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+            "sampler": run.sampler.state_dict(), "rng": ckpt.rng_state(), "history": run.history,
+            "bad_steps": run.bad_steps, "eval_before": run.summary.get("eval_before"),
+            "scaler": run.scaler.state_dict() if run.scaler is not None else None,
+            "prior_key": run.prior_table["key"] if run.prior_table else None,
+            "ranks": run.ranks.world, "rng_mode": "per_prompt" if run.per_prompt_rng else "global",
+            "replay": run.replay.state_dict() if run.replay is not None else None,
+            "estimator_state": run.est_state.state_dict() if run.est_state is not None else None,
+            "value_tracker": run.value_tracker.state_dict() if run.value_tracker is not None else None,
+            "decided": run.decided.as_dict() if run.decided is not None else None}
 
 
 def stored_decisions(run_dir: Path) -> dict | None:
@@ -34,7 +108,7 @@ def stored_decisions(run_dir: Path) -> dict | None:
     return found
 
 
-def resume_from(run, train_ex) -> Path | None:
+def resume_from(run: RunState, train_ex) -> Path | None:
     """Restore the newest checkpoint whose content is usable (`check_checkpoint`); each newer intact one that is
     not is logged with the reason and skipped, as a damaged one is. None when none is usable (the run starts again
     from step 0: the adapter as initialised, a fresh optimizer)."""
@@ -57,7 +131,7 @@ def resume_from(run, train_ex) -> Path | None:
     return None
 
 
-def _fresh_state(run, train_ex, initial: dict, adapter_name: str) -> None:
+def _fresh_state(run: RunState, train_ex, initial: dict, adapter_name: str) -> None:
     """Undo a partly applied checkpoint: the initial adapter weights, a fresh optimizer, schedule, data position,
     history, replay buffer, estimator state and value tracker."""
     from peft import set_peft_model_state_dict
@@ -70,7 +144,7 @@ def _fresh_state(run, train_ex, initial: dict, adapter_name: str) -> None:
     fresh_learning_state(run)
 
 
-def fresh_learning_state(run) -> None:
+def fresh_learning_state(run: RunState) -> None:
     """The state the estimator and the sampler learn across steps, as at step 0: the replay buffer, the estimator's
     own state (BASIS mix), and the value tracker that prompt selection by value reads."""
     cfg = run.cfg
@@ -83,7 +157,7 @@ def fresh_learning_state(run) -> None:
         run.sampler.accept = selection_probability(run.value_tracker, cfg.data.value_sampling)
 
 
-def check_checkpoint(run, last: Path, expected: dict, train_ex) -> tuple[dict, dict]:
+def check_checkpoint(run: RunState, last: Path, expected: dict, train_ex) -> tuple[dict, dict]:
     """(adapter tensors, trainer state) of an intact checkpoint once its content is checked; Unusable naming the
     first problem: adapter tensors missing, extra, misshapen or not finite; a state that does not parse or is
     nested too deep; a step that is not the folder's or lies outside [1, train.steps]; RNG states that cannot be
@@ -114,7 +188,7 @@ def check_checkpoint(run, last: Path, expected: dict, train_ex) -> tuple[dict, d
     return tensors, state
 
 
-def restore(run, state: dict) -> None:
+def restore(run: RunState, state: dict) -> None:
     """Apply a checked trainer state; Unusable when a part of it does not load."""
     try:
         run.optimizer.load_state_dict(state["optimizer"])

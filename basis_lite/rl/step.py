@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from ..model.loading import peak_memory_mb
 from ..runs.metrics import loo_reference_ev
 from .distributed import Ranks
 from .update import OPTIONAL_STEP_METRICS
+
+if TYPE_CHECKING:
+    from .state import RunState
 
 _HEAD = 4  # feature size, generation seconds, reward warnings, trajectory feature size
 
@@ -114,7 +118,7 @@ class Step:
         """This rank's rows of the advantages, flattened (the order of `rollouts`)."""
         return ranks.shard(self.adv).reshape(-1)
 
-    def metrics(self, run, stats: dict, ok: bool) -> dict:
+    def metrics(self, run: RunState, stats: dict, ok: bool) -> dict:
         """The metrics.jsonl line of the step, over the global batch; peak memory is read here, once per step (the
         largest rank's); under torchrun also the rank count and the gather and all-reduce timings."""
         ranks = run.ranks
@@ -136,7 +140,7 @@ class Step:
             "trained_sequences": stats.get("trained_sequences"), "update_norm": stats["update_norm"],
             "zero_update": stats["update_norm"] == 0.0,
             **{k: stats[k] for k in OPTIONAL_STEP_METRICS if k in stats},
-            **({"trajectory_feature_s": getattr(run.engine, "trajectory_seconds", 0.0)} if run.uses_trajectory
+            **({"trajectory_feature_s": run.engine.trajectory_seconds} if run.uses_trajectory
                else {}),
             **({"replay_rows": run.replay.rows} if run.replay is not None else {}),
             **(run.est_state.metrics() if hasattr(run.est_state, "metrics") else {}),

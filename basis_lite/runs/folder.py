@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import checkpoint as ckpt
 from ..config import Config
 from ..rl.distributed import Ranks
 from ..errors import ConfigError
 from ..safeio import RunLock, check_run_folder, held_by_other, read_json
+
+if TYPE_CHECKING:
+    from ..rl.state import RunState
 
 
 def claim_on_main(cfg: Config, run_dir, resume: bool, ranks: Ranks):
@@ -49,7 +53,7 @@ def _lock(folder: Path) -> RunLock:
                           f"a folder you can write with --output") from None
 
 
-def interrupt_message(run_dir: Path, run, e) -> str:
+def interrupt_message(run_dir: Path | None, run: RunState | None, e: BaseException) -> str:
     sig = getattr(e, "signal_name", "SIGINT")
     if run_dir is None:
         return f"stopped by {sig} before the run folder was chosen; nothing was written"

@@ -3,14 +3,16 @@ bench/generation.py time them."""
 from __future__ import annotations
 
 
-def make_run_state(trainer_mod, **known):
-    """A trainer.RunState holding what the step functions read; any other required field is None."""
+def make_run_state(**known):
+    """A RunState (basis_lite.rl.state) holding what the step functions read; any other required field is None."""
     import dataclasses
 
+    from basis_lite.rl.state import RunState
+
     kw = {}
-    for f in dataclasses.fields(trainer_mod.RunState):
+    for f in dataclasses.fields(RunState):
         if f.name in known:
             kw[f.name] = known[f.name]
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             kw[f.name] = None
-    return trainer_mod.RunState(**kw)
+    return RunState(**kw)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from basis_lite.config import load_config
-from basis_lite.engines.base import SamplingParams
+from basis_lite.engines.base import Engine, SamplingParams
 from basis_lite.engines.hf import HFEngine
 from basis_lite.engines.trajectory import (
     N_STATS,
@@ -91,7 +91,7 @@ def test_captured_features_equal_a_teacher_forced_forward(policy, layer):
     # two samples of one prompt differ in their trajectory, not in their prompt feature
     assert not torch.equal(rolls[0].trajectory, rolls[1].trajectory) or rolls[0].completion_ids == rolls[1].completion_ids
     torch.testing.assert_close(rolls[0].feature, rolls[1].feature)
-    assert eng.trajectory_seconds > 0
+    assert isinstance(eng, Engine) and eng.trajectory_seconds > 0
 
 
 def test_capture_changes_no_sampled_token_and_costs_nothing_when_off(policy):
@@ -198,6 +198,7 @@ def test_vllm_engine_trajectories_with_a_fake_llm(policy, monkeypatch):
     params = SamplingParams(temperature=1.0, max_new_tokens=4, n=2)
     plain = eng.generate(PROMPTS[:2], params)
     assert all(r.trajectory is None for r in plain)
+    assert isinstance(eng, Engine) and eng.trajectory_seconds == 0.0  # nothing captured without with_trajectory
     assert all(sp.kw["logprobs"] == 0 for sp in llm.params[-1])  # by default only the sampled token's log-prob
     rolls = eng.generate(PROMPTS[:2], params, with_trajectory=True)
     assert all(sp.kw["logprobs"] == TRAJECTORY_TOPK for sp in llm.params[-1])
@@ -212,3 +213,4 @@ def test_vllm_engine_trajectories_with_a_fake_llm(policy, monkeypatch):
         assert st[STATS.index("answer_logprob")] == pytest.approx(math.log(p[0]), rel=1e-5)
         assert st[STATS.index("log_length")] == pytest.approx(math.log1p(len(r.completion_ids)))
         assert st[STATS.index("finished")] == float(r.finished)
+    assert eng.trajectory_seconds > 0
