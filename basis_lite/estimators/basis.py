@@ -1,8 +1,12 @@
 """BASIS: one rollout per prompt, each prompt's baseline built from the OTHER prompts of the batch.
 
-``basis`` is the registered estimator (``fn(rewards [B, G], ctx) -> (advantages, baselines)``); ``basis_baseline``
-is the baseline over one row per rollout, with the equations and options in its docstring. The pieces it is made
-of (prior smoothing, calibration, BLUE terms, similarity pooling) are in basis_blocks.py, its options in
+``basis(rewards [B, G], ctx) -> (advantages, baselines)`` is what the estimator registered as "basis"
+(basis_mix.basis_estimator) and the poise estimators call; ``basis_baseline`` is the baseline over one row per
+rollout, with the equations and options in its docstring, and runs them as one function per step: the inputs
+checked (``_checked_inputs``), the calibration views (``calibration_views``, a ``CalibrationViews``), the pooled
+residual (``pooled_residual``), similarity pooling (``_kernel_toward_prior``, or ``_similarity_residual`` with its
+cross-validation in ``_cv_errors`` and ``_best_pair``), the fallback and clip (``_fallback_and_clip``). The pieces
+those are made of (prior smoothing, calibration fit, BLUE terms, kernels) are in basis_blocks.py, the options in
 basis_options.py.
 
 The leave-one-out rule: b_i never depends on r_i, for every option. Every quantity fitted on the batch (the
@@ -18,6 +22,7 @@ bench/results/value_mse.md, and docs/results.md says where single-rollout baseli
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -39,13 +44,13 @@ from .basis_options import parse_options
 
 
 def basis(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
-    """The registered estimator: A = r - b, b = ``basis_baseline`` over all B*G rollouts as rows.
+    """A = r - b, b = ``basis_baseline`` over all B*G rollouts as rows.
 
     Every rollout is its own row, with its prompt's prior ``ctx.prior`` [B] and features ``ctx.features`` [B, D]
     repeated G times; the baseline of a rollout never depends on its own reward (the other rollouts of the same
     prompt may be used, and with features they are its nearest neighbours). ``ctx.options`` are the BASIS options.
     ``ctx.history`` is not read here: the trainer folds a prompt's earlier rewards into ``ctx.prior``
-    (``priors.prior_values``). The registered ``basis`` estimator (basis_mix.basis_estimator) calls this, or with
+    (``rl.priors.prior_values``). The registered ``basis`` estimator (basis_mix.basis_estimator) calls this, or with
     the option ``mix: true`` the mix of basis_mix.py, whose parts call this.
     """
     B, G = rewards.shape
@@ -64,10 +69,6 @@ def basis(rewards: Tensor, ctx) -> tuple[Tensor, Tensor]:
         f = f.to(rewards.device).repeat_interleave(G, dim=0)
     base = basis_baseline(rewards.reshape(-1), p, f, **(ctx.options or {})).reshape(B, G)
     return rewards - base, base
-
-
-def _row_chunk(n: int, per_row: int) -> int:
-    return max(1, min(n, (1 << 21) // max(1, per_row)))
 
 
 def basis_baseline(rewards: Tensor, prior: Tensor | None = None, features: Tensor | None = None, **options) -> Tensor:
@@ -140,15 +141,63 @@ def basis_baseline(rewards: Tensor, prior: Tensor | None = None, features: Tenso
     """
     o = parse_options(options)
     r_in = rewards_1d(rewards)
-    n = r_in.numel()
-    device = r_in.device
+    if r_in.numel() == 0:
+        return r_in.clone()
+    r, p, cos = _checked_inputs(r_in, prior, features, o)
+    if p is None and cos is None:  # step 0
+        return leave_one_out_mean(r, empty=o.empty_baseline).to(r_in.dtype)
+    views = calibration_views(r, p, o)  # step 1, and the BLUE terms of step 2
+    target = pooled_residual(views, o)  # step 2
+    clip_range = _clip_range(r)
+    if cos is None:
+        b = views.mu_self + target
+    elif views.has_prior and o.combine == "toward_prior":
+        b = _kernel_toward_prior(r, cos, views, o)  # step 3 with a prior
+    else:
+        b = views.mu_self + _similarity_residual(r, cos, views, target, o, clip_range)  # steps 3 and 4
+    return _fallback_and_clip(b, views, o, clip_range).to(r_in.dtype)  # step 5
+
+
+@dataclasses.dataclass
+class CalibrationViews:
+    """The calibrated prior as each row sees it (step 1), with the BLUE terms over it (step 2).
+
+    Row i sees the calibrated values ``mu[view[i]]``: one view per distinct calibration fitted among the rows (1 to
+    3 in practice), each fitted without that row's reward. Without a prior there is one view of zeros, every row
+    active, and the BLUE form "mean" (the terms are then the rewards and ones).
+    """
+
+    mu: Tensor  # [V, N] calibrated values mu_j in each view
+    active: Tensor  # [V, N] tau <= mu_j <= 1 - tau (all True without a prior)
+    view: Tensor  # [N] the view of each row
+    form: str  # the BLUE form: the pooling option with a prior, "mean" without
+    num: Tensor  # [V, N] BLUE numerator and denominator terms of each row j (``blue_terms``)
+    den: Tensor
+    lnum: Tensor  # [V, N] their sums over j != i (r_i never enters column i)
+    lden: Tensor
+    has_prior: bool
+
+    @property
+    def rows(self) -> Tensor:
+        return torch.arange(self.view.numel(), device=self.view.device)
+
+    @property
+    def mu_self(self) -> Tensor:
+        """[N] mu_i in row i's own view."""
+        return self.mu[self.view, self.rows]
+
+    @property
+    def active_self(self) -> Tensor:
+        return self.active[self.view, self.rows]
+
+
+def _checked_inputs(r_in: Tensor, prior, features, o) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(rewards, prior or None, cosine similarities of the features or None), in float64 on a CPU (float32 on a
+    GPU unless the rewards are float64); a prior or features switched off by the options is None."""
+    n, device = r_in.numel(), r_in.device
     dtype = torch.float64 if (device.type == "cpu" or r_in.dtype == torch.float64) else torch.float32
     r = r_in.to(dtype)
-    out_dtype = r_in.dtype
-    if n == 0:
-        return r_in.clone()
-
-    p = None
+    p = cos = None
     if prior is not None and o.use_prior:
         p = as_float_tensor(prior, "prior").to(device=device, dtype=dtype)
         if p.shape != r.shape:
@@ -156,7 +205,6 @@ def basis_baseline(rewards: Tensor, prior: Tensor | None = None, features: Tenso
         check_finite(p, "prior")
         if bool(((p < 0) | (p > 1)).any()):
             raise ValueError("prior values must lie in [0, 1] (success probabilities)")
-    cos = None
     if features is not None and o.use_features:
         f = as_float_tensor(features, "features")
         if f.dim() != 2 or f.shape[0] != n or f.shape[1] == 0:
@@ -164,64 +212,78 @@ def basis_baseline(rewards: Tensor, prior: Tensor | None = None, features: Tenso
         f = f.to(device=device, dtype=dtype)
         check_finite(f, "features")
         cos = cosine_similarity(f, o.feature_norm)
+    return r, p, cos
 
-    if p is None and cos is None:
-        return leave_one_out_mean(r, empty=o.empty_baseline).to(out_dtype)
 
-    ar = torch.arange(n, device=device)
-    lo_c, hi_c = leave_one_out_range(r)  # clip range of b_i: [0, 1], widened by the other rewards
-    lo_c, hi_c = lo_c.clamp(max=0.0), hi_c.clamp(min=1.0)
-    # ---- views: row i sees calibrated values MuV[view[i]] (one view per distinct calibration) ----
+def calibration_views(r: Tensor, p: Tensor | None, o) -> CalibrationViews:
+    """Step 1: each row's calibration (delta, a) fitted on the other rows' rewards, the distinct ones as views;
+    and step 2's BLUE terms in each view with their sums over j != i."""
+    n, dtype, device = r.numel(), r.dtype, r.device
     if p is not None:
         z = torch.logit(smooth_prior(p, o.prior_clip, o.prior_k))
         cs, ca = calibration_candidates(o.calibration, o.shift_grid, o.scale_grid, dtype, device)
         idx = calibrate_index(r, z, cs, ca, float(o.calib_reg))
         uniq, view = torch.unique(idx, return_inverse=True)
-        mu_v = torch.sigmoid(ca[uniq, None] * z[None, :] + cs[uniq, None])  # [V, N]
-        act_v = (mu_v >= o.tau) & (mu_v <= 1.0 - o.tau)
+        mu = torch.sigmoid(ca[uniq, None] * z[None, :] + cs[uniq, None])  # [V, N]
+        active = (mu >= o.tau) & (mu <= 1.0 - o.tau)
         form = o.pooling
     else:
-        mu_v = torch.zeros(1, n, dtype=dtype, device=device)
-        act_v = torch.ones(1, n, dtype=torch.bool, device=device)
+        mu = torch.zeros(1, n, dtype=dtype, device=device)
+        active = torch.ones(1, n, dtype=torch.bool, device=device)
         view = torch.zeros(n, dtype=torch.long, device=device)
         form = "mean"
-    num_v, den_v = blue_terms(r[None, :], mu_v, act_v, form)  # [V, N]
-    lnum_v, lden_v = leave_one_out_sum(num_v, 1), leave_one_out_sum(den_v, 1)  # sums over j != i
-    mu_self = mu_v[view, ar]
-    act_self = act_v[view, ar]
-    target = residual_target(lnum_v[view, ar], lden_v[view, ar], mu_self, form, o.empty_baseline)
-    if p is not None:
-        target = torch.where(act_self, target, torch.zeros_like(target))
+    num, den = blue_terms(r[None, :], mu, active, form)  # [V, N]
+    return CalibrationViews(mu, active, view, form, num, den, leave_one_out_sum(num, 1), leave_one_out_sum(den, 1),
+                            has_prior=p is not None)
 
-    if cos is not None and p is not None and o.combine == "toward_prior":
-        # kernel mean of the OTHER prompts' rewards (k_ii = 0), shrunk toward row i's calibrated prior mu_i, which
-        # was itself fitted without r_i
-        if isinstance(o.bandwidth, str) or isinstance(o.shrink, str):
-            raise ValueError("combine='toward_prior' takes a fixed bandwidth and shrink, not 'cv'; use "
-                             "combine='residual' for cross-validated ones")
-        k = kernel_matrix(cos, float(o.bandwidth))
-        b = combine((k * r[None, :]).sum(dim=1), k.sum(dim=1), (k * k).sum(dim=1), mu_self, float(o.shrink),
-                    o.kernel)
-    else:
-        if cos is None:
-            pooled = target
-        else:
-            pooled = _similarity_residual(r, cos, o, mu_v, act_v, view, num_v, den_v, lnum_v, lden_v, form, target,
-                                          has_prior=p is not None, clip_range=(lo_c, hi_c))
-        b = mu_self + pooled
-    if p is not None and o.fallback == "zero":
-        b = torch.where(act_self, b, torch.zeros_like(b))
+
+def pooled_residual(views: CalibrationViews, o) -> Tensor:
+    """Step 2: t_i, the BLUE-pooled residual of the active rows j != i in row i's view (0 for an inactive row i
+    with a prior; without one, the leave-one-out batch mean)."""
+    ar, v = views.rows, views.view
+    target = residual_target(views.lnum[v, ar], views.lden[v, ar], views.mu_self, views.form, o.empty_baseline)
+    if views.has_prior:
+        target = torch.where(views.active_self, target, torch.zeros_like(target))
+    return target
+
+
+def _clip_range(r: Tensor) -> tuple[Tensor, Tensor]:
+    """Row i's clip range for step 5: [0, 1], widened by the rewards other than r_i."""
+    lo, hi = leave_one_out_range(r)
+    return lo.clamp(max=0.0), hi.clamp(min=1.0)
+
+
+def _kernel_toward_prior(r: Tensor, cos: Tensor, views: CalibrationViews, o) -> Tensor:
+    """Step 3 with combine="toward_prior": the kernel mean of the OTHER prompts' rewards (k_ii = 0), shrunk toward
+    row i's calibrated prior mu_i, which was itself fitted without r_i."""
+    if isinstance(o.bandwidth, str) or isinstance(o.shrink, str):
+        raise ValueError("combine='toward_prior' takes a fixed bandwidth and shrink, not 'cv'; use "
+                         "combine='residual' for cross-validated ones")
+    k = kernel_matrix(cos, float(o.bandwidth))
+    return combine((k * r[None, :]).sum(dim=1), k.sum(dim=1), (k * k).sum(dim=1), views.mu_self, float(o.shrink),
+                   o.kernel)
+
+
+def _fallback_and_clip(b: Tensor, views: CalibrationViews, o, clip_range: tuple[Tensor, Tensor]) -> Tensor:
+    """Step 5: fallback "zero" sets an inactive row's baseline to 0; clip clamps b_i to row i's clip range."""
+    if views.has_prior and o.fallback == "zero":
+        b = torch.where(views.active_self, b, torch.zeros_like(b))
     if o.clip:
-        b = torch.minimum(torch.maximum(b, lo_c), hi_c)
-    return b.to(out_dtype)
+        b = torch.minimum(torch.maximum(b, clip_range[0]), clip_range[1])
+    return b
 
 
-def _similarity_residual(r, cos, o, mu_v, act_v, view, num_v, den_v, lnum_v, lden_v, form, target, has_prior,
-                         clip_range):
-    """Kernel-pooled residual for every row, with bandwidth/shrinkage fixed or chosen per row by leave-one-out CV."""
+def _row_chunk(n: int, per_row: int) -> int:
+    return max(1, min(n, (1 << 21) // max(1, per_row)))
+
+
+def _similarity_residual(r: Tensor, cos: Tensor, views: CalibrationViews, target: Tensor, o,
+                         clip_range: tuple[Tensor, Tensor]) -> Tensor:
+    """Steps 3 and 4 with combine="residual" or no prior: the kernel-pooled residual of every row, shrunk toward
+    ``target`` (t_i), with the bandwidth and shrinkage fixed or chosen per row by leave-one-out CV."""
     n = r.numel()
     dtype, device = r.dtype, r.device
-    ar = torch.arange(n, device=device)
+    ar, view = views.rows, views.view
     hs = [float(o.bandwidth)] if not isinstance(o.bandwidth, str) else \
         grid_tensor(o.bandwidth_grid, "bandwidth_grid", dtype, device, positive=True).tolist()
     lams = [float(o.shrink)] if not isinstance(o.shrink, str) else \
@@ -232,48 +294,18 @@ def _similarity_residual(r, cos, o, mu_v, act_v, view, num_v, den_v, lnum_v, lde
     ksum_f = torch.empty(n, H, dtype=dtype, device=device)
     ksq_f = torch.empty(n, H, dtype=dtype, device=device)
     cv = torch.zeros(n, H, L, dtype=dtype, device=device) if do_cv else None
-    chunk = _row_chunk(n, n)
     for hi, h in enumerate(hs):
         k = kernel_matrix(cos, h)  # symmetric, zero diagonal; holds no reward
         ksum, ksq = k.sum(1), (k * k).sum(1)
-        km = k @ mu_v.T  # [N, V]: sum_l k_jl mu_l in each view (no reward)
+        km = k @ views.mu.T  # [N, V]: sum_l k_jl mu_l in each view (no reward)
         # lx[j, i] = sum_{l != i} k_jl r_l  (exclusive prefix/suffix sums: r_i never enters column i)
         lx = leave_one_out_sum(k * r[None, :], dim=1)
         num_f[:, hi] = lx[ar, ar] - km[ar, view]
         ksum_f[:, hi], ksq_f[:, hi] = ksum, ksq
-        if not do_cv:
-            continue
-        for s in range(0, n, chunk):
-            rows = ar[s:s + chunk]
-            vw = view[rows]
-            mu_rows = mu_v[vw]  # [c, N] mu_j in row i's view
-            k_rows = k[rows]  # k_ij == k_ji
-            # row j's prediction without r_i and r_j, for each j, in row i's view
-            num2 = lx[:, rows].T - (km[:, vw].T - k_rows * mu_v[vw, rows][:, None])
-            ksum2 = (ksum[None, :] - k_rows).clamp_min(0.0)
-            ksq2 = (ksq[None, :] - k_rows * k_rows).clamp_min(0.0)
-            lden_rows = lden_v[vw, rows][:, None]
-            t2 = residual_target(lnum_v[vw, rows][:, None] - num_v[vw], lden_rows - den_v[vw],
-                                 mu_rows, form, o.empty_baseline, scale=lden_rows)
-            act_rows = act_v[vw]
-            if has_prior:
-                t2 = torch.where(act_rows, t2, torch.zeros_like(t2))
-            self_mask = rows[:, None] == ar[None, :]
-            for li, lam in enumerate(lams):
-                pred = mu_rows + combine(num2, ksum2, ksq2, t2, lam, o.kernel)
-                if has_prior and o.fallback == "zero":
-                    pred = torch.where(act_rows, pred, torch.zeros_like(pred))
-                if o.clip:  # row i's clip range (from the rewards other than r_i)
-                    pred = torch.minimum(torch.maximum(pred, clip_range[0][rows, None]), clip_range[1][rows, None])
-                err = torch.where(self_mask, torch.zeros_like(pred), (r[None, :] - pred) ** 2)
-                cv[rows, hi, li] = err.sum(1)
+        if do_cv:
+            cv[:, hi] = _cv_errors(r, views, k, km, lx, lams, o, clip_range)
     if do_cv:
-        # exact ties (e.g. B <= 2, where nothing is left to validate on) go to the pair nearest h = 1, lambda = 2
-        hpen = torch.tensor([abs(math.log(h)) for h in hs], dtype=dtype, device=device)
-        lpen = torch.tensor([abs(math.log((lam + 1.0) / 3.0)) for lam in lams], dtype=dtype, device=device)
-        score = cv + 1e-12 * (hpen[None, :, None] + lpen[None, None, :])
-        best = torch.argmin(score.reshape(n, H * L), dim=1)
-        hi_sel, li_sel = best // L, best % L
+        hi_sel, li_sel = _best_pair(cv, hs, lams)
     else:
         hi_sel = torch.zeros(n, dtype=torch.long, device=device)
         li_sel = torch.zeros(n, dtype=torch.long, device=device)
@@ -284,3 +316,50 @@ def _similarity_residual(r, cos, o, mu_v, act_v, view, num_v, den_v, lnum_v, lde
             pooled[sel] = combine(num_f[ar, hi_sel][sel], ksum_f[ar, hi_sel][sel], ksq_f[ar, hi_sel][sel],
                                   target[sel], lam, o.kernel)
     return pooled
+
+
+def _cv_errors(r: Tensor, views: CalibrationViews, k: Tensor, km: Tensor, lx: Tensor, lams: list, o,
+               clip_range: tuple[Tensor, Tensor]) -> Tensor:
+    """Step 4 for one bandwidth (kernel ``k``): [N, L], row i's leave-one-out squared error over the other rows j
+    for each shrinkage, each b_j computed without r_i and r_j in row i's calibration view (in chunks of rows)."""
+    n = r.numel()
+    ar, view, mu_v = views.rows, views.view, views.mu
+    ksum, ksq = k.sum(1), (k * k).sum(1)
+    out = torch.empty(n, len(lams), dtype=r.dtype, device=r.device)
+    chunk = _row_chunk(n, n)
+    for s in range(0, n, chunk):
+        rows = ar[s:s + chunk]
+        vw = view[rows]
+        mu_rows = mu_v[vw]  # [c, N] mu_j in row i's view
+        k_rows = k[rows]  # k_ij == k_ji
+        # row j's prediction without r_i and r_j, for each j, in row i's view
+        num2 = lx[:, rows].T - (km[:, vw].T - k_rows * mu_v[vw, rows][:, None])
+        ksum2 = (ksum[None, :] - k_rows).clamp_min(0.0)
+        ksq2 = (ksq[None, :] - k_rows * k_rows).clamp_min(0.0)
+        lden_rows = views.lden[vw, rows][:, None]
+        t2 = residual_target(views.lnum[vw, rows][:, None] - views.num[vw], lden_rows - views.den[vw],
+                             mu_rows, views.form, o.empty_baseline, scale=lden_rows)
+        act_rows = views.active[vw]
+        if views.has_prior:
+            t2 = torch.where(act_rows, t2, torch.zeros_like(t2))
+        self_mask = rows[:, None] == ar[None, :]
+        for li, lam in enumerate(lams):
+            pred = mu_rows + combine(num2, ksum2, ksq2, t2, lam, o.kernel)
+            if views.has_prior and o.fallback == "zero":
+                pred = torch.where(act_rows, pred, torch.zeros_like(pred))
+            if o.clip:  # row i's clip range (from the rewards other than r_i)
+                pred = torch.minimum(torch.maximum(pred, clip_range[0][rows, None]), clip_range[1][rows, None])
+            err = torch.where(self_mask, torch.zeros_like(pred), (r[None, :] - pred) ** 2)
+            out[rows, li] = err.sum(1)
+    return out
+
+
+def _best_pair(cv: Tensor, hs: list, lams: list) -> tuple[Tensor, Tensor]:
+    """Step 4's choice: each row's (bandwidth index, shrinkage index) with the least CV error; exact ties (e.g.
+    B <= 2, where nothing is left to validate on) go to the pair nearest h = 1, lambda = 2."""
+    n, H, L = cv.shape
+    hpen = torch.tensor([abs(math.log(h)) for h in hs], dtype=cv.dtype, device=cv.device)
+    lpen = torch.tensor([abs(math.log((lam + 1.0) / 3.0)) for lam in lams], dtype=cv.dtype, device=cv.device)
+    score = cv + 1e-12 * (hpen[None, :, None] + lpen[None, None, :])
+    best = torch.argmin(score.reshape(n, H * L), dim=1)
+    return best // L, best % L
