@@ -1,9 +1,9 @@
 """EAPO experience injection: a prior adapter samples the tokens at critical decision points, and importance weights
 keep the policy gradient pointed at the policy being trained.
 
-    load_prior_adapter(model, path)                      the prior as a second peft adapter on the same base
-    generate_with_injection(model, tok, ...)             HF sampling loop that injects the prior's tokens
-    inject_mask(entropy, active, threshold, rate)        which rows take the prior's token at this position
+    load_prior_adapter(model, path)                         the prior as a second peft adapter on the same base
+    generate_with_injection(model, ids, mask, params, ...)  HF sampling loop that injects the prior's tokens
+    inject_mask(entropy, active, threshold, rate)           which rows take the prior's token at this position
     importance_weights(policy_lp, prior_lp, injected, level, cap)   the loss weights of the injected rollouts
 
 EAPO (papers.md) describes a prior RL-trained policy whose actions are injected at "critical decision points" and an
@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
+from .base import SamplingParams
 
 PRIOR_ADAPTER = "eapo_prior"  # the peft adapter name the prior is loaded under
 
@@ -139,11 +140,13 @@ def _warp(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate_with_injection(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, n: int,
-                            temperature: float, top_p: float, top_k: int, max_new_tokens: int, stop_ids: list[int],
-                            pad_id: int, threshold: float, rate: float, prior: str = PRIOR_ADAPTER,
-                            feature_layer=None, feature_tokens: int = 4) -> dict:
-    """Sample `n` completions per left-padded prompt, taking the prior's token at critical points.
+def generate_with_injection(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, *,
+                            stop_ids: list[int], pad_id: int, threshold: float, rate: float,
+                            prior: str = PRIOR_ADAPTER, feature_layer=None, feature_tokens: int = 4) -> dict:
+    """Sample `params.n` completions per left-padded prompt, taking the prior's token at critical points.
+
+    Sampling follows params' temperature, top_k, top_p and max_new_tokens, drawing from torch's global RNG
+    (params.seeds and params.inject are not read).
 
     The model must be in eval mode (peft refuses per-row adapters in train mode). Rows 0..B-1 of every forward run
     the trained adapter, rows B..2B-1 the prior, both fed the same tokens, so the prior's log-probs are those of
@@ -152,6 +155,7 @@ def generate_with_injection(model, input_ids: torch.Tensor, attention_mask: torc
     positions), and "features" ([B, H] mean of the last `feature_tokens` prompt positions of `feature_layer`'s
     output for the policy rows, or None).
     """
+    temperature, n, max_new_tokens = params.temperature, params.n, params.max_new_tokens
     if temperature <= 0:
         raise ValueError("experience injection samples: temperature must be > 0")
     ids = input_ids.repeat_interleave(n, dim=0)
@@ -185,7 +189,7 @@ def generate_with_injection(model, input_ids: torch.Tensor, attention_mask: torc
             zp, lse_p = z[:B], lse[:B]
             entropy = lse_p - (torch.softmax(zp, dim=-1) * zp).sum(-1)
             inject = inject_mask(entropy, ~done, threshold, rate)
-            probs = torch.softmax(_warp(z, top_k, top_p), dim=-1)
+            probs = torch.softmax(_warp(z, params.top_k, params.top_p), dim=-1)
             drawn = torch.multinomial(probs, 1).squeeze(-1)  # [2B]: a policy draw and a prior draw per row
             tok = torch.where(inject, drawn[B:], drawn[:B])
             tok = torch.where(done, torch.full_like(tok, pad_id), tok)

@@ -235,9 +235,8 @@ class HFEngine:
         e = self.eapo
         with inference_mode(self.model):
             res = generate_with_injection(
-                self.model, input_ids, attn, n=params.n, temperature=params.temperature, top_p=params.top_p,
-                top_k=params.top_k, max_new_tokens=params.max_new_tokens, stop_ids=self.stop_ids,
-                pad_id=self.tok.pad_token_id, threshold=e.entropy_threshold, rate=e.injection_rate,
+                self.model, input_ids, attn, params, stop_ids=self.stop_ids, pad_id=self.tok.pad_token_id,
+                threshold=e.entropy_threshold, rate=e.injection_rate,
                 feature_layer=self._layers[self.feature_layer] if with_features else None,
                 feature_tokens=self.feature_tokens)
         rollouts = []

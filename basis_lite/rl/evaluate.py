@@ -19,9 +19,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate(engine, tokenizer, examples, data_cfg, max_new_tokens: int = 64, require_boxed: bool = True,
-             samples: int = 0, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 64,
-             progress: bool = True, desc: str = "eval", records: list | None = None) -> dict:
-    """Greedy accuracy (pass@1) on `examples`; with `samples` = k > 0 also sampled pass@1 and pass@k.
+             sampled: SamplingParams | None = None, batch_size: int = 64, progress: bool = True, desc: str = "eval",
+             records: list | None = None) -> dict:
+    """Greedy accuracy (pass@1) on `examples`, up to `max_new_tokens` tokens each; with `sampled` also k =
+    sampled.n completions per problem drawn with those sampling parameters: sampled pass@1 and pass@k.
 
     Returns {"accuracy", "n", "by_level": {level: {"accuracy", "n"}}, ["pass@1_sampled", "pass@k", "k"]};
     "accuracy" is None when `examples` is empty. With a `records` list, one dict per problem is appended to it
@@ -50,13 +51,13 @@ def evaluate(engine, tokenizer, examples, data_cfg, max_new_tokens: int = 64, re
             groups[ex.meta["level"]].append(c)
     if groups:
         out["by_level"] = {str(k): {"accuracy": sum(v) / len(v), "n": len(v)} for k, v in sorted(groups.items())}
-    if samples > 0:
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=samples)
+    if sampled is not None:
+        samples = sampled.n
         p1, pk = [], []
         bar = tqdm(total=len(prompts), desc=f"{desc} pass@{samples}", disable=not progress, leave=False)
         per = max(1, batch_size // samples)
         for i in range(0, len(prompts), per):
-            rolls = engine.generate(prompts[i:i + per], params, with_features=False)
+            rolls = engine.generate(prompts[i:i + per], sampled, with_features=False)
             for j, ex in enumerate(examples[i:i + per]):
                 c = sum(correctness(r.text, ex.answer, require_boxed=require_boxed)
                         for r in rolls[j * samples:(j + 1) * samples])

@@ -193,6 +193,7 @@ def evaluate_run(target: str | Path, dataset: str | None = None, samples: int = 
     Returns the result as written to the JSON file, plus "out": the file's path.
     """
     from ..data import load_examples
+    from ..engines.base import SamplingParams
     from ..rl.evaluate import evaluate
     from ..runtime import build_policy, seed_everything, setup_device
 
@@ -226,11 +227,12 @@ def evaluate_run(target: str | Path, dataset: str | None = None, samples: int = 
     model, tok, engine = build_policy(cfg, device, dtype, adapter_path=str(tgt.adapter) if tgt.adapter else None)
     seed_everything(cfg.train.seed)
     temperature = cfg.generation.temperature if cfg.generation.temperature > 0 else 1.0
+    sampled = SamplingParams(temperature=temperature, top_p=cfg.generation.top_p,
+                             max_new_tokens=cfg.train.eval_max_new_tokens, n=samples) if samples else None
     records: list[dict] = []
     with model.disable_adapter() if base else contextlib.nullcontext():
         res = evaluate(engine, tok, examples, cfg.data, max_new_tokens=cfg.train.eval_max_new_tokens,
-                       require_boxed=cfg.reward.require_boxed, samples=samples, temperature=temperature,
-                       top_p=cfg.generation.top_p, batch_size=cfg.train.eval_batch_size,
+                       require_boxed=cfg.reward.require_boxed, sampled=sampled, batch_size=cfg.train.eval_batch_size,
                        progress=True, desc="eval (base)" if base else "eval", records=records)
     samples_path = samples_path_for(out_path)
     result = {
