@@ -3,8 +3,10 @@
 
     basis-lite train   [--preset NAME_OR_PATH] [--set key=value ...] [--output DIR] [--resume RUN_DIR]
     torchrun --nproc_per_node N -m basis_lite train ...    the same on N data-parallel ranks (README)
-    basis-lite eval    RUN_DIR_OR_ADAPTER [--dataset NAME_OR_FILE] [--samples K] [--limit N] [--base] [--out FILE] [--show-misses N]
-    basis-lite export  RUN_DIR --out DIR [--merged] [--dtype bfloat16|float16] [--gguf f16|q8_0] [--tolerance T]
+    basis-lite eval    RUN_DIR_OR_ADAPTER [--dataset NAME_OR_FILE] [--samples K] [--limit N] [--base] [--set ...]
+                       [--out FILE] [--show-misses N]
+    basis-lite export  RUN_DIR_OR_ADAPTER --out DIR [--merged] [--dtype auto|bfloat16|float16|float32]
+                       [--gguf f16|q8_0] [--tolerance T]
     basis-lite prior   [--preset ...] [--set ...]       precompute the BASIS reference prior (cached)
     basis-lite plan    [--preset ...] [--gpu-memory GiB] [--gpus N] [--all]   memory estimate by part
     basis-lite plot    RUN_DIR [--out DIR]              PNG charts of a run's metrics

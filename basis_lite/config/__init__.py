@@ -1,9 +1,9 @@
 """Typed run configuration: one dataclass tree, loaded from a preset YAML, overridden with `--set a.b=c`, validated once.
 
-Every key is declared once, in basis_lite/config/keys.py, as a field built by `config_fields.setting`: its type,
+Every key is declared once, in basis_lite/config/keys.py, as a field built by `setting` (config/fields.py): its type,
 default, accepted values (a range for numbers, choices for names), its meaning and TRL's GRPOConfig name sit on one
 line; this module reads them (`FIELDS`) to merge, check and print (`basis-lite config`: `describe_config`), then
-runs the checks that read several keys (`config_keys.CHECKS`). TRL's names with the same meaning are read as their
+runs the checks that read several keys (`CHECKS`, config/keys.py). TRL's names with the same meaning are read as their
 key here; TRL names whose meaning differs are refused with what to write; unknown keys get a did-you-mean. Every
 error names the bad key, the value and what would be accepted, and is raised as `ConfigError` (the CLI turns it
 into exit code 2 before anything is written). Torch-free: the light commands (`config`, `plan`, `presets`) use it.
@@ -257,10 +257,12 @@ def _bad_value(key: str, value: Any, expected: str) -> ConfigError:
 
 
 def validate(cfg: Config) -> None:
-    """Check every key (its type, range or choices, non-empty where it must be), then the combinations (`_CHECKS`);
-    ConfigError naming the key, the value and what is accepted. Normalises in place: generation.top_k -1 -> 0,
-    true/false -> the names of a key with `bools` (train.mismatch_correction, generation.fast_cpu), estimator options read as numbers, TRL's loss_type names
-    as ours, train.micro_batch_size capped at the step's sequence count."""
+    """Check every key (its type, range or choices, non-empty where it must be), then the checks that read several
+    keys (`CHECKS`, one per section, in config/keys.py); ConfigError naming the key, the value and what is accepted.
+    Normalises in place: YAML's true/false become the names of a key declared with `bools` (generation.fast_cpu,
+    estimator.normalize, train.mismatch_correction); the section checks turn generation.top_k -1 into 0, read the
+    estimator options as numbers and TRL's loss_type names as ours, and cap train.micro_batch_size at the step's
+    sequence count."""
     for key, f in FIELDS.items():  # types again: a Config built or changed in code skips _merge's checks
         section, _, leaf = key.rpartition(".")
         obj = get(cfg, section) if section else cfg

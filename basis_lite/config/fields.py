@@ -1,6 +1,6 @@
 """How a config key is declared: `setting(default, help, range=..., choices=..., trl=..., refuse=...)` beside its field.
 
-Every leaf of the config tree (basis_lite/config/__init__.py) is a dataclass field built by `setting`, so its type (the
+Every leaf of the config tree (basis_lite/config/keys.py) is a dataclass field built by `setting`, so its type (the
 annotation), default, accepted values, meaning and TRL alias sit on one line; the readers below take them back
 from the field's metadata. `choices` and `help` may be callables, so a registry (estimators, losses) stays the one
 list of its names and names registered later are seen. Imports nothing of the package's.

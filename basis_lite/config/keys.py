@@ -1,5 +1,5 @@
 """Every key of the run configuration, declared once: the dataclass tree (one class per section, `Config` at the top)
-whose fields are built by `config_fields.setting` (type, default, range or choices, meaning, TRL name on one line),
+whose fields are built by `setting` (config/fields.py; type, default, range or choices, meaning, TRL name on one line),
 and after each section the checks that read several of its keys (`_check_<section>`, run by `config.validate` in
 the order of `CHECKS`). Loading, overrides, validation and the printout live in basis_lite/config/__init__.py, which
 re-exports these names. Torch-free.

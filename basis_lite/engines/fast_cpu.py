@@ -17,7 +17,7 @@ Forward. A plain Llama decoder step written with torch ops (RMSNorm and rotary e
 modules) over a per-call cache [layers][k|v][rows, kv heads, slots, head dim] sized for the longest prompt plus
 max_new_tokens. Over a float32 base: a float32 cache and scaled_dot_product_attention. Over a 16-bit base: the cache
 in the base dtype and attention as the trainer computes it there (transformers' eager kernel,
-models.training_attention: 16-bit matmuls, softmax in float32), so the behaviour log-probs follow the trainer's
+model.loading.training_attention: 16-bit matmuls, softmax in float32), so the behaviour log-probs follow the trainer's
 re-scoring more closely (mean |difference| about halved in bf16) and the cache is half the size. Slot layout of a row:
 
     [shared prefix (P) | its prompt suffix, right-aligned in S slots (masked gap on its left) | generated tokens]
@@ -244,9 +244,10 @@ class FastDecoder:
         if not self.attend_16:
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=self.scaling,
                                                   enable_gqa=self.n_kv != self.n_heads)
-        # transformers' eager attention (the trainer's kernel over a 16-bit base on the CPU, models.training_attention):
-        # scores and output through 16-bit matmuls, the softmax in float32 rounded back to the base dtype. Query head
-        # h reads kv head h // (heads / kv heads), so the rep heads of a group stack into one matmul's rows.
+        # transformers' eager attention (the trainer's kernel over a 16-bit base on the CPU,
+        # model.loading.training_attention): scores and output through 16-bit matmuls, the softmax in float32 rounded
+        # back to the base dtype. Query head h reads kv head h // (heads / kv heads), so the rep heads of a group stack
+        # into one matmul's rows.
         b, H, t, d = q.shape
         rep = H // self.n_kv
         s = torch.matmul(q.reshape(b, self.n_kv, rep * t, d), k.transpose(-1, -2)) * self.scaling

@@ -13,9 +13,9 @@ top-k/top-p warpers) sees each step's float32 logits and keeps log softmax(logit
 quantity the trainer's chunked log-prob computes (T = 1 when greedy). It equals a separate forward pass to fp32
 rounding: KV-cached decoding multiplies matrices of other shapes than one forward over the whole sequence.
 
-With `params.inject` and an EAPO prior adapter (`eapo.py`), sampling runs `eapo.generate_with_injection` instead of
-generate(): the same rollouts, with the prior's tokens at critical decision points. That loop samples from torch's
-global RNG, also when `params.seeds` asks for per-prompt streams.
+With `params.inject` and an EAPO prior adapter (engines/eapo.py), sampling runs `eapo.generate_with_injection`
+instead of generate(): the same rollouts, with the prior's tokens at critical decision points. That loop samples
+from torch's global RNG, also when `params.seeds` asks for per-prompt streams.
 
 Trajectory features (``with_trajectory=True``, for value probes) come from the same generate() call:
 ``engines.trajectory.TrajectoryCapture`` hooks the feature layer at every decoding step and reads each step's
@@ -229,7 +229,7 @@ class HFEngine:
                         logprobs=lps[row]) for row, comp in enumerate(toks)]
 
     def _generate_injected(self, prompts, input_ids, attn, params: SamplingParams, with_features: bool):
-        """EAPO rollouts: the prior adapter samples the tokens at critical decision points (eapo.py)."""
+        """EAPO rollouts: the prior adapter samples the tokens at critical decision points (engines/eapo.py)."""
         from .eapo import generate_with_injection
 
         e = self.eapo

@@ -8,13 +8,14 @@ Every estimator is a function with one signature,
 which side information it can use (prompt features, an offline prior, the per-prompt history) and which options it
 takes. The trainer looks the spec up by ``estimator.name`` and calls ``spec.compute(rewards, ctx)``; it never
 branches on the name. The specs are this torch-free table (config validation reads it); each function sits in a
-torch module (simple.py, basis.py, poise.py) under ``@estimator("name")`` (base.py), which binds it to its spec.
-Those modules are imported on the first ``compute``.
+torch module (simple.py, basis_mix.py, poise.py) under ``@estimator("name")`` (base.py), which binds it to its
+spec. Those modules are imported on the first ``compute`` (``EstimatorSpec.function``).
 
 Registered here:
 
 - ``basis`` (G >= 1, made for G = 1): BASIS, each prompt's baseline from the OTHER prompts of the batch, optionally
-  helped by an offline prior and the similarity of the prompts' hidden states; b_i never uses r_i (basis.py). With
+  helped by an offline prior and the similarity of the prompts' hidden states; b_i never uses r_i (the baseline in
+  basis.py, registered in basis_mix.py). With
   ``mix: true`` it mixes the leave-one-out mean, that pooling, an online prompt probe as prior and a per-prompt
   value tracker as prior, weighted by their errors on earlier batches (basis_mix.py).
 - ``reinforce_pp`` (G >= 1): whitening over the whole batch; its baseline, the batch mean, includes r_i.
@@ -46,7 +47,7 @@ class EstimatorContext:
 
     prompt_ids: the ids of the B prompts (row order of the rewards).
     prior: [B] prior success probabilities (the offline prior, with the run's history folded in by
-        ``priors.prior_values``), or None.
+        ``rl.priors.prior_values``), or None.
     features: [B, D] prompt features (the policy's hidden state of each prompt), or None.
     history: {prompt id: [successes, trials]} from earlier steps, read-only; never holds the current rewards.
     trajectory_features: [B, G, D'] per-rollout trajectory features (engines/trajectory.py), or None.

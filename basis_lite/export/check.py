@@ -1,6 +1,6 @@
-"""What both exporters share (export.py: merged safetensors, gguf_export.py: GGUF): the logit self-check (its
+"""What both exporters share (export/hf.py: merged safetensors, export/gguf.py: GGUF): the logit self-check (its
 tolerance rule, the check texts, logits and their largest difference), staged writing that never leaves a partial
-export, the free-space check and the README's run line. The tolerance rule is explained in export.py's docstring.
+export, the free-space check and the README's run line. The tolerance rule is explained in export/hf.py's docstring.
 """
 from __future__ import annotations
 

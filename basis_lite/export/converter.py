@@ -2,7 +2,7 @@
 
     python -m basis_lite.export.converter CONVERTER_DIR MODEL_DIR --outfile FILE --outtype f16|q8_0
 
-`gguf_export.convert` starts this as a subprocess. It puts the converter's own `gguf-py` (not the PyPI `gguf`
+`export.gguf.convert` starts this as a subprocess. It puts the converter's own `gguf-py` (not the PyPI `gguf`
 package) and its `conversion` package first on sys.path, then runs convert_hf_to_gguf.py as `__main__` with the
 arguments after CONVERTER_DIR, unchanged but for one case:
 

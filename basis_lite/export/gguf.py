@@ -1,15 +1,16 @@
 """GGUF export for llama.cpp, Ollama and LM Studio (`basis-lite export RUN --gguf f16|q8_0 --out DIR`).
 
-    export_gguf(cfg, target, out, gguf_type="q8_0", tolerance=None, merge=export.export_merged) -> report
+    export_gguf(cfg, target, out, gguf_type="q8_0", tolerance=None, merge=export.hf.export_merged) -> report
 
 Step by step:
 
 1. llama.cpp's own converter: `convert_hf_to_gguf.py` with its `conversion` package and its own `gguf-py`, as
    vendored in the llama-cpp-python source distribution on the package index (pinned version and sha256 in
-   `downloads.py`; only those Python files are extracted, nothing is compiled), fetched once into the cache
+   `model/downloads.py`; only those Python files are extracted, nothing is compiled), fetched once into the cache
    (`llama_cpp_converter`). It needs `sentencepiece` (`pip install 'basis-lite[gguf]'`).
-2. The adapter is merged and saved in float32 by the merged export (`export.export_merged`, passed in as `merge`, with its own checks
-   against base + adapter), into a temporary folder, with the chat template training used.
+2. The adapter is merged and saved in float32 by the merged export (`export.hf.export_merged`, passed in as
+   `merge`, with its own checks against base + adapter), into a temporary folder, with the chat template training
+   used.
 3. The converter runs on that folder in a fresh interpreter (`converter.py`) and writes `model-<type>.gguf`.
 4. SELF-CHECK, against the merged float32 model: the GGUF is reloaded with plain transformers
    (`from_pretrained(DIR, gguf_file=...)`, dequantised to float32) and
@@ -292,7 +293,7 @@ def ollama_modelfile(cfg: Config, tok, gguf_name: str) -> str | None:
 def export_gguf(cfg: Config, target: Target, out: Path, gguf_type: str = "q8_0",
                 tolerance: float | None = None, *, merge) -> dict:
     """Write the GGUF export of `target` to `out` (see the module docstring). `merge(cfg, target, folder,
-    dtype_name="float32")` writes the checked fp32 merged model the converter reads (export.export_merged)."""
+    dtype_name="float32")` writes the checked fp32 merged model the converter reads (export.hf.export_merged)."""
     if gguf_type not in GGUF_TYPES:
         raise ConfigError(f"--gguf: {gguf_type!r} is not a supported type; accepted: {', '.join(GGUF_TYPES)}")
     check_converter_requirements()

@@ -3,10 +3,10 @@
     export_run(run_dir, out)                  adapter + tokenizer + README (loads with PeftModel)
     export_run(run_dir, out, merged=True,     merged safetensors for plain transformers / vLLM
                dtype="auto", tolerance=None)  (dtype: auto | bfloat16 | float16 | float32)
-    export_run(run_dir, out, gguf="q8_0")     a GGUF for llama.cpp / Ollama / LM Studio (gguf_export.py)
+    export_run(run_dir, out, gguf="q8_0")     a GGUF for llama.cpp / Ollama / LM Studio (export/gguf.py)
 
 Every export ships the chat template training used (`data.prompts.training_chat_template`), and adapter_config.json
-names the run's model.name as the base (`builtin:...` resolves with `models.resolve_model_path`).
+names the run's model.name as the base (`builtin:...` resolves with `model.loading.resolve_model_path`).
 
 Merged export, step by step:
 
@@ -88,7 +88,7 @@ def export_run(run_dir: str | Path, out: str | Path, merged: bool = False, dtype
                tolerance: float | None = None, gguf: str | None = None) -> dict:
     """Export a run's (or an adapter folder's) adapter to `out`: the adapter alone, or with `merged` a merged model
     in `dtype` that passed the self-check within `tolerance` (default: the rounding rule above), or with `gguf`
-    (f16 | q8_0) a GGUF file for llama.cpp / Ollama / LM Studio (`gguf_export.py`).
+    (f16 | q8_0) a GGUF file for llama.cpp / Ollama / LM Studio (export/gguf.py).
 
     Returns the export report (also written to `out`/basis_lite_export.json) plus "out": the folder.
     """

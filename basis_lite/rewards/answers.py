@@ -1,6 +1,7 @@
 """Answer checking: the last non-empty ``\\boxed{...}`` of a completion, math-verify's equivalence against a gold
 answer (``correctness``) and the format check (``format_reward``). Torch-free; math-verify is imported on first use.
-Read by rewards.py (scoring), data/ (gold answers that parse) and evaluate.py. Meaning and conventions: rewards.py.
+Read by rewards/scorer.py (scoring), data/ (gold answers that parse) and rl/evaluate.py. Meaning and conventions:
+rewards/scorer.py.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Built-in rewards (always computed, so they can be logged even with weight 0):
 
 User reward functions are given in the config as ``"package.module:function"`` strings (a module in the
 working directory is found without ``PYTHONPATH=.``; a resumed run never imports one from inside its run folder,
-see ``reward_worker._refuse_code_from``) and are called batched with keyword arguments, TRL's
+see ``rewards.worker._refuse_code_from``) and are called batched with keyword arguments, TRL's
 convention::
 
     def my_reward(completions, answers, **kwargs) -> list[float]:               # basis-lite's names
@@ -52,9 +52,9 @@ not killed with it; it can use up memory, CPU and disk. Trust reward code as you
 debugging). Scripts that create a RewardScorer need an ``if __name__ == "__main__":`` guard (spawn re-imports the
 main script).
 
-Where the code is: answers.py (the answer check: boxed extraction, math-verify, correctness, format; torch-free),
-reward_worker.py (loading user functions, their signature check, the isolated worker), this module (the scorer and
-the data columns; it re-exports the public names of the other two).
+Where the code is: rewards/answers.py (the answer check: boxed extraction, math-verify, correctness, format;
+torch-free), rewards/worker.py (loading user functions, their signature check, the isolated worker), this module
+(the scorer and the data columns).
 
 math-verify always runs in the main process. Its timeouts use ``signal.alarm``, which only works in the main
 thread; from other threads it is called with its timeouts disabled.

@@ -1,7 +1,7 @@
 """The isolated reward worker: user reward functions (``"package.module:function"``) are imported, their signatures
 checked, and called in one persistent "spawn" process, so that the trainer survives code that raises, exits, crashes
-or hangs (rewards.py's docstring says exactly what this guards and what it does not). ``reward.timeout_s: 0`` calls
-them in this process instead (``load_all`` + ``call_user_fn``).
+or hangs (rewards/scorer.py's docstring says exactly what this guards and what it does not).
+``reward.timeout_s: 0`` calls them in this process instead (``load_all`` + ``call_user_fn``).
 """
 from __future__ import annotations
 

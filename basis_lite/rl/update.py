@@ -16,7 +16,7 @@ detached and multiplied into every token's loss:
   * mismatch correction (`train.mismatch_correction`, on by default for vLLM engines): w = min(exp(old - engine),
     train.mismatch_cap), truncated importance sampling between the engine's numerics and the trainer's;
   * EAPO (`eapo.prior_adapter`): importance weights of the completions with tokens from the prior adapter
-    (`eapo.importance_weights`).
+    (`engines.eapo.importance_weights`).
 The engine/trainer log-ratio is reported whenever the engine gave log-probs.
 """
 from __future__ import annotations
@@ -308,7 +308,7 @@ def engine_ratio_stats(cfg: Config, acc: dict, ranks: Ranks) -> dict:
 
 def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
                   step: int = 0, scaler=None, ranks: Ranks | None = None):
-    """See `_policy_update`; runs it with the update's attention kernel (models.training_attention)."""
+    """See `_policy_update`; runs it with the update's attention kernel (model.loading.training_attention)."""
     with training_attention(model):
         return _policy_update(cfg, model, optimizer, rollouts, advantages, pad_id, device, step, scaler, ranks)
 

@@ -14,18 +14,20 @@ of every other file) is written last, then the folder is renamed into place and 
 
 Reading: a checkpoint counts only when its manifest is there and every file matches it. `latest_checkpoint` returns
 the newest intact checkpoint inside `checkpoints/` (symlinks out of it are not followed), logging each newer one it
-skipped and why; `latest` is a hint for people, and garbage in it is reported and ignored. The trainer state is JSON plus safetensors (optimizer moments,
-RNG states): no pickle, so a planted file cannot run code on `--resume`.
+skipped and why; `latest` is a hint for people, and garbage in it is reported and ignored. The trainer state
+(`rl.state.checkpoint_state`) is JSON plus safetensors (optimizer moments, RNG states): no pickle, so a planted file
+cannot run code on `--resume`.
 
 Using: a checkpoint that matches its manifest can still be unusable (a manifest rewritten to match). What a resume
-loads is checked before anything is used (`Unusable` names the problem and the trainer falls back to the next older
-intact checkpoint, as for a damaged file): the adapter's tensor names, shapes and dtypes against the model built
-from the config, every tensor finite, state.json nested at most `safeio.MAX_JSON_DEPTH` deep, the step equal to
-the folder's and within train.steps, the RNG states settable, the optimizer moments shaped like their parameters.
+loads is checked before anything is used (`Unusable` names the problem and `rl.state.resume_from` falls back to the
+next older intact checkpoint, as for a damaged file): the adapter's tensor names, shapes and dtypes against the
+model built from the config, every tensor finite, state.json nested at most `safeio.MAX_JSON_DEPTH` deep, the step
+equal to the folder's and within train.steps, the RNG states settable, the optimizer moments shaped like their
+parameters.
 `adapter_problem` checks an adapter folder the same way for `eval`, `export` and `eapo.prior_adapter`.
 
 Pruning (`train.keep_last`) deletes a checkpoint only when no reader pins it: `eval` and `export` hold a shared
-lock on the manifest of the checkpoint they load (`runs.resolve_target`).
+lock on the manifest of the checkpoint they load (`runs.saved.resolve_target`).
 """
 from __future__ import annotations
 
