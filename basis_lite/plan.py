@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, ConfigError, cache_root, load_config, preset_path
+from .engines import select_engine
 from .model.downloads import SMOLLM2_CACHE_DIR
 
 GIB = 2**30
@@ -216,8 +217,9 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
     m, t, g, e = cfg.model, cfg.train, cfg.generation, cfg.estimator
     db = _dtype_bytes(cfg, cuda)
     backend = resolve_plan_backend(cfg) if cuda else "hf"
-    use_vllm = g.engine == "vllm"
-    shared = use_vllm and backend == "unsloth" and m.fast_inference and cuda
+    spec = select_engine(cfg, backend, "cuda" if cuda else "cpu")
+    use_vllm = spec.memory == "gpu_share"
+    shared = use_vllm and not spec.own_base_copy
     notes: list[str] = []
     problems: list[str] = []  # will not run at all, whatever the total says
     parts: dict[str, float] = {}
@@ -260,7 +262,7 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
     # generation phase
     seqs = t.batch_size // gpus * e.rollouts_per_prompt  # this card's share of the global batch
     kv_tok = shape.kv_bytes_per_token(db)
-    standby = shared and m.unsloth_standby
+    standby = spec.standby and m.unsloth_standby
     keeps_share = False
     if not use_vllm:
         per_call = max(1, g.batch_size // max(1, e.rollouts_per_prompt)) * e.rollouts_per_prompt
@@ -273,7 +275,7 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
             label = f"generation: HF KV cache ({per_call} sequences x 2 rows for EAPO x {T} tokens)"
         parts[label] = (kv + logits) / GIB
         gen_phase = parts[label]
-        engine = "hf (the training model's generate(); KV cache freed before the update)"
+        engine = spec.description
     else:
         util = m.gpu_memory_utilization
         if standby and gpu_memory_gb:
@@ -300,13 +302,10 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
         else:
             kv_share = kv_need
             how = f"{min(seqs, 256)} sequences x {T} tokens; card size unknown"
-        if shared:
-            engine = "vllm through Unsloth fast_inference (base weights shared with training)"
-            label = f"generation: vLLM KV cache + buffers ({how})"
-        else:
-            engine = "plain vLLM (a second, unquantised copy of the base; LoRA pushed from disk each step)"
+        engine = spec.description
+        label = f"generation: vLLM KV cache + buffers ({how})"
+        if not shared:
             parts[f"generation: vLLM's own {8 * db}-bit base weights"] = vllm_weights
-            label = f"generation: vLLM KV cache + buffers ({how})"
             if m.load_in_4bit:
                 notes.append(f"plain vLLM cannot load bitsandbytes 4-bit (moved out of vLLM's tree in 0.28): it "
                              f"holds the base in {8 * db}-bit, {vllm_weights:.2f} GiB besides the 4-bit training copy; "
@@ -329,8 +328,10 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
         notes.append("Unsloth's gradient checkpointing offloads the saved activations to CPU RAM: the activation "
                      "line is an upper bound there")
     if cfg.model.backend == "auto" and cuda:
+        fallback = select_engine(cfg, "hf", "cuda")
         notes.append("backend auto: assumed unsloth is installed on the GPU machine (else hf"
-                     + (", and the vLLM engine then loads its own 16-bit base" if use_vllm else "") + ")")
+                     + (f", and the {fallback.name} engine then loads its own 16-bit base"
+                        if fallback.own_base_copy else "") + ")")
     return Plan(parts=parts, total=total, shape=shape, shape_source=shape_source, notes=notes, problems=problems,
                 cuda=cuda,
                 engine=engine)
@@ -402,10 +403,11 @@ def _suggestions(cfg: Config, card: float, overrides: list[str], gpus: int = 1) 
         if tot is not None and tot <= card:
             out.append(f"--set generation.max_new_tokens={n} --set model.max_seq_length={s}  -> {tot:.2f} GiB")
             break
-    if cfg.generation.engine == "vllm":
+    spec = select_engine(cfg, resolve_plan_backend(cfg), "cuda" if cfg.device != "cpu" else "cpu")
+    if spec.memory == "gpu_share":
         u = get(cfg, "model.gpu_memory_utilization")
         first_fit("model.gpu_memory_utilization", [round(u - d, 2) for d in (0.1, 0.2, 0.3) if u - d > 0.05])
-        if not cfg.model.unsloth_standby:
+        if spec.standby and not cfg.model.unsloth_standby:
             first_fit("model.unsloth_standby", ["true"])
     else:
         gb = cfg.generation.batch_size

@@ -25,7 +25,9 @@ import numpy as np
 import torch
 
 from .config import Config
-from .errors import ConfigError
+from .config.keys import prompt_budget
+from .engines import select_engine
+from .errors import ConfigError, ModelError
 from .model.dtypes import resolve_device, resolve_dtype
 
 log = logging.getLogger("basis_lite")
@@ -167,8 +169,6 @@ def build_policy(cfg: Config, device, dtype, adapter_path=None, training: bool =
     with_prior = training and bool(cfg.eapo.prior_adapter)
     if with_prior:
         if backend != "hf":
-            from .errors import ModelError
-
             raise ModelError("eapo.prior_adapter: experience injection needs model.backend hf; auto picked unsloth "
                              "here, so set model.backend=hf")
         from .engines.eapo import load_prior_adapter
@@ -193,12 +193,9 @@ warnings.filterwarnings("ignore", message=r"Could not find a config file in buil
 
 
 def make_engine(cfg: Config, model, tok, backend: str = "hf", with_prior: bool = False):
-    max_prompt = max(16, cfg.model.max_seq_length - cfg.generation.max_new_tokens)
-    if cfg.generation.engine == "hf":
-        from .engines.hf import HFEngine
+    """The rollout engine `generation.engine` selects on this backend and the model's device (engines/__init__.py),
+    built over the model; prompts keep `prompt_budget(cfg)` tokens."""
+    from .engines import hf, vllm  # noqa: F401  (their @engine lines bind the factories)
 
-        return HFEngine(model, tok, batch_size=cfg.generation.batch_size, max_prompt_tokens=max_prompt,
-                        eapo=cfg.eapo if with_prior else None, fast_cpu=cfg.generation.fast_cpu)
-    from .engines.vllm import make_vllm_engine
-
-    return make_vllm_engine(cfg, model, tok, backend)
+    spec = select_engine(cfg, backend, next(model.parameters()).device.type)
+    return spec.build(cfg, model, tok, max_prompt_tokens=prompt_budget(cfg), backend=backend, with_prior=with_prior)

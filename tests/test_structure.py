@@ -28,10 +28,11 @@ LAYERS = [
         "runs": ["__init__"],
         "export": ["__init__", "converter"],
     }),
-    ("configuration", "torch-free: the config tree, the estimator and loss specs", {
+    ("configuration", "torch-free: the config tree, the estimator, loss and engine specs", {
         "config": ["__init__", "keys"],
         "estimators": ["__init__", "basis_options", "probe_options"],
         "losses": ["__init__"],
+        "engines": ["__init__"],
     }),
     ("numerics", "losses, the estimators' functions, data, rewards, metrics", {
         "": ["plot"],
@@ -44,7 +45,7 @@ LAYERS = [
     ("models and engines", "model loading, engines, distributed, updates, checkpoints, export checks", {
         "": ["plan"],
         "model": ["loading", "unsloth", "dtypes"],
-        "engines": ["__init__", "base", "hf", "seeded", "trajectory", "vllm", "vllm_weights", "fast_cpu", "eapo"],
+        "engines": ["base", "hf", "seeded", "trajectory", "vllm", "vllm_weights", "fast_cpu", "eapo"],
         "rl": ["distributed", "update", "step"],
         "runs": ["checkpoint", "folder"],
         "export": ["check"],

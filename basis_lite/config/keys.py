@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engines import engine_choices, get_engine
 from ..errors import ConfigError
 from ..estimators import estimator_names, get_estimator
 from ..losses import LEVELS, aggregation_names, check_loss_config, loss_names
@@ -19,7 +20,13 @@ from .fields import ANY, AT_LEAST_1, NONNEG, POS, UNIT_OPEN, Range, setting
 # integer keys have an upper bound far beyond any run that fits one machine, so that a typo (an extra digit, a
 # pasted number) is refused at load instead of running for ever
 MAX_SEQUENCES = 65536  # sequences in one step (train.batch_size x estimator.rollouts_per_prompt), and batch sizes
-MIN_PROMPT_TOKENS = 16  # runtime.make_engine leaves prompts at least this many of model.max_seq_length
+MIN_PROMPT_TOKENS = 16  # prompts keep at least this many tokens of model.max_seq_length (prompt_budget)
+
+
+def prompt_budget(cfg) -> int:
+    """The prompt tokens every engine keeps (longer prompts lose their start): model.max_seq_length less
+    generation.max_new_tokens, and at least MIN_PROMPT_TOKENS."""
+    return max(MIN_PROMPT_TOKENS, cfg.model.max_seq_length - cfg.generation.max_new_tokens)
 
 
 @dataclass
@@ -116,10 +123,13 @@ def _check_data(cfg: Config) -> None:
 
 
 
+def _engine_help() -> str:
+    return "rollouts from: " + " | ".join(f"{n} ({get_engine(n).summary})" for n in engine_choices())
+
+
 @dataclass
 class GenerationConfig:
-    engine: str = setting("hf", "rollouts from: hf (the training model's generate) | vllm (in-process; through Unsloth "
-                          "on a GPU)", choices=("hf", "vllm"))
+    engine: str = setting("hf", _engine_help, choices=engine_choices)
     temperature: float = setting(1.0, "sampling temperature of the rollouts (the loss uses the same one)", range=POS)
     top_p: float = setting(1.0, "nucleus sampling (1 = off)", range=Range(0, 1, lo_open=True))
     top_k: int = setting(0, "top-k sampling (0 = off; -1 is read as 0, vLLM's and TRL's 'off')",
@@ -147,7 +157,10 @@ def _check_generation(cfg: Config) -> None:
     g = cfg.generation
     if g.top_k == -1:
         g.top_k = 0  # vLLM's and TRL's "off" is -1; here (and in transformers) it is 0
-    if g.max_new_tokens > cfg.model.max_seq_length - MIN_PROMPT_TOKENS:
+    if cfg.device == "cpu" and get_engine(g.engine).needs_gpu:
+        raise ConfigError(f"generation.engine: {g.engine} needs a CUDA GPU, and device is cpu; set device=auto or "
+                          f"cuda, or choose one of {', '.join(n for n in engine_choices() if not get_engine(n).needs_gpu)}")
+    if prompt_budget(cfg) + g.max_new_tokens > cfg.model.max_seq_length:
         raise ConfigError(f"generation.max_new_tokens: {g.max_new_tokens} leaves fewer than {MIN_PROMPT_TOKENS} "
                           f"prompt tokens of model.max_seq_length={cfg.model.max_seq_length} (prompt + completion); "
                           f"use at most {max(1, cfg.model.max_seq_length - MIN_PROMPT_TOKENS)} or raise "
@@ -239,6 +252,12 @@ def _aggregations_with_trl() -> tuple:
     return aggregation_names(with_trl=True)
 
 
+def _mismatch_help() -> str:
+    on = [n for n in engine_choices() if get_engine(n).mismatch_correction]
+    return ("truncated importance weights between the engine's and the trainer's log-probs: auto (on for "
+            f"generation.engine {' and '.join(on) or 'none'}) | always | never")
+
+
 _REFUSE_BATCH = {"per_device_train_batch_size": (
     "TRL's per_device_train_batch_size counts COMPLETIONS per device; basis-lite's train.batch_size counts "
     "PROMPTS per step, each with estimator.rollouts_per_prompt completions (TRL: num_generations). For the same "
@@ -285,9 +304,8 @@ class TrainConfig:
                              "(TRL: beta)", range=NONNEG, trl="beta")
     ppo_epochs: int = setting(1, "optimizer steps (passes) over each batch of rollouts; > 1 reuses them and the clip "
                               "acts", range=Range(1, 100))
-    mismatch_correction: Any = setting("auto", "truncated importance weights between the engine's and the trainer's "
-                                       "log-probs: auto (on for vLLM engines) | always | never",
-                                       choices=("auto", "always", "never"), bools=("always", "never"))
+    mismatch_correction: Any = setting("auto", _mismatch_help, choices=("auto", "always", "never"),
+                                       bools=("always", "never"))
     mismatch_cap: float = setting(3.0, "cap of those importance weights (>= 1)", range=AT_LEAST_1)
     logprob_chunk_size: int = setting(1024, "tokens per chunk of the lm_head + log-softmax (never the full [B, T, V] "
                                       "fp32 tensor)", range=Range(1, 1 << 24))
@@ -306,10 +324,13 @@ class TrainConfig:
 
 
 def _check_train(cfg: Config) -> None:
-    """The loss, its aggregation and level together (TRL names read as ours), the loggers, and the micro-batch capped
-    at the step's sequence count."""
+    """The loss, its aggregation and level together (TRL names read as ours), the mismatch correction against the
+    engine, the loggers, and the micro-batch capped at the step's sequence count."""
     t, e = cfg.train, cfg.estimator
     check_loss_config(t)
+    if t.mismatch_correction == "always" and not get_engine(cfg.generation.engine).behaviour_logprobs:
+        raise ConfigError(f"train.mismatch_correction: always needs the engine's log-probs, which "
+                          f"generation.engine={cfg.generation.engine} does not give; use auto or never")
     if t.batch_size * e.rollouts_per_prompt > MAX_SEQUENCES:
         raise ConfigError(f"train.batch_size x estimator.rollouts_per_prompt: {t.batch_size} x {e.rollouts_per_prompt} "
                           f"= {t.batch_size * e.rollouts_per_prompt} sequences per step; at most {MAX_SEQUENCES} are "
@@ -342,9 +363,10 @@ def _check_eapo(cfg: Config) -> None:
     """Experience injection runs on the HF engine and backend, samples, and captures no trajectory features."""
     if not cfg.eapo.prior_adapter:
         return
-    if cfg.generation.engine != "hf":
-        raise ConfigError(f"eapo.prior_adapter: experience injection runs on generation.engine=hf only, not "
-                          f"{cfg.generation.engine!r}; set generation.engine=hf or eapo.prior_adapter=''")
+    if not get_engine(cfg.generation.engine).eapo:
+        can = [n for n in engine_choices() if get_engine(n).eapo]
+        raise ConfigError(f"eapo.prior_adapter: experience injection runs on generation.engine={' or '.join(can)} only, "
+                          f"not {cfg.generation.engine!r}; set generation.engine={can[0]} or eapo.prior_adapter=''")
     if cfg.model.backend == "unsloth":
         raise ConfigError("eapo.prior_adapter: experience injection needs model.backend hf (or auto on a machine "
                           "without Unsloth), not unsloth; or set eapo.prior_adapter=''")

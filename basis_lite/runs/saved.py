@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, load_config, load_config_file, to_dict
+from ..engines import engine_choices, get_engine
 from ..errors import ConfigError
 from ..safeio import atomic_write_text, disk_full_error, is_disk_full
 
@@ -206,9 +207,10 @@ def evaluate_run(target: str | Path, dataset: str | None = None, samples: int = 
     # an override says otherwise (the base comparison needs it: disable_adapter() only acts on this model)
     cfg = load_run_config(tgt, ["generation.engine=hf", "model.backend=hf", "model.gradient_checkpointing=false",
                                 *overrides], dataset)
-    if base and cfg.generation.engine != "hf":
-        raise ConfigError("--base needs generation.engine=hf (the adapter is disabled on the loaded model, which "
-                          "a separate vLLM engine would not see)")
+    if base and not get_engine(cfg.generation.engine).shares_model:
+        own = [n for n in engine_choices() if get_engine(n).shares_model]
+        raise ConfigError(f"--base needs generation.engine={' or '.join(own)} (the adapter is disabled on the loaded "
+                          f"model, which the {cfg.generation.engine} engine does not generate with)")
     if tgt.adapter is None and not base:
         raise ConfigError(f"{tgt.path}: the run has no adapter yet (no adapter/ and no complete checkpoint); "
                           f"pass --base to evaluate the base model")
