@@ -17,7 +17,8 @@ a small built-in table of known models: nothing is downloaded) and the config:
     CUDA context        ~0.5 GiB
     base weights        4-bit linears: params x ~0.52 B (NF4 + double-quantised absmax); embeddings and an untied
                         lm_head stay 16-bit. Without load_in_4bit: params x dtype bytes.
-    LoRA                params + grads in fp32 (8 B/param), AdamW8bit state ~2 B/param (fp32 AdamW: 8 B/param)
+    LoRA                params + grads in fp32 (8 B/param), the optimizer's state (rl/optimizers.py: AdamW8bit
+                        ~2 B/param, fp32 AdamW 8 B/param)
     activations         gradient checkpointing: micro_batch x seq x hidden x layers x dtype bytes (the saved layer
                         inputs) + one layer's full activations + one dequantised 16-bit weight
     log-prob chunk      logprob_chunk_size x vocab x 4 B x 3 (fp32 logits, log-softmax, their gradient)
@@ -48,13 +49,12 @@ from pathlib import Path
 from .config import Config, ConfigError, cache_root, load_config, preset_path
 from .engines import select_engine
 from .model.downloads import SMOLLM2_CACHE_DIR
+from .rl.optimizers import OPTIMIZERS, resolve_optimizer
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5
 VLLM_BUFFERS_GIB = 0.4  # vLLM's own activations / sampler / CUDA-graph pool when the card size is unknown
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax per 64 + fp32 absmax per 256 blocks
-ADAMW8BIT_BYTES = 2.0  # two 8-bit moments per param (+ a negligible per-block scale)
-ADAMW_BYTES = 8.0  # two fp32 moments
 NCCL_BUFFERS_GIB = 0.25  # NCCL's communicator buffers per card with several GPUs (rough: depends on NCCL_BUFFSIZE)
 
 
@@ -235,8 +235,8 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
 
     n_lora = _lora_params(shape, cfg.lora.r, cfg.lora.target_modules)
     parts[f"LoRA r={cfg.lora.r} params + grads (fp32)"] = n_lora * 8 / GIB
-    opt = t.optimizer if t.optimizer != "auto" else ("adamw8bit" if cuda else "adamw")
-    parts[f"optimizer state ({opt})"] = n_lora * (ADAMW8BIT_BYTES if opt == "adamw8bit" else ADAMW_BYTES) / GIB
+    opt = resolve_optimizer(t.optimizer, "cuda" if cuda else "cpu")
+    parts[f"optimizer state ({opt})"] = n_lora * OPTIMIZERS[opt].state_bytes / GIB
     if gpus > 1:
         parts["data-parallel: flat fp32 LoRA gradients for the all-reduce"] = n_lora * 4 / GIB
         if cuda:

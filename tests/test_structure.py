@@ -28,11 +28,12 @@ LAYERS = [
         "runs": ["__init__"],
         "export": ["__init__", "converter"],
     }),
-    ("configuration", "torch-free: the config tree, the estimator, loss and engine specs", {
+    ("configuration", "torch-free: the config tree, the estimator, loss, engine and optimizer specs", {
         "config": ["__init__", "keys"],
         "estimators": ["__init__", "basis_options", "probe_options"],
         "losses": ["__init__"],
         "engines": ["__init__"],
+        "rl": ["optimizers"],
     }),
     ("numerics", "losses, the estimators' functions, data, rewards, metrics", {
         "": ["plot"],

@@ -15,6 +15,7 @@ from ..engines import engine_choices, get_engine
 from ..errors import ConfigError
 from ..estimators import estimator_names, get_estimator
 from ..losses import LEVELS, aggregation_names, check_loss_config, loss_names
+from ..rl.optimizers import optimizer_help, optimizer_names
 from .fields import ANY, AT_LEAST_1, NONNEG, POS, UNIT_OPEN, Range, setting
 
 # integer keys have an upper bound far beyond any run that fits one machine, so that a typo (an extra digit, a
@@ -282,8 +283,7 @@ class TrainConfig:
     schedule: str = setting("cosine", "learning-rate schedule after warmup: cosine (down to 10%) | constant",
                             choices=("cosine", "constant"))
     max_grad_norm: float = setting(1.0, "the gradient norm is clipped to this value", range=POS)
-    optimizer: str = setting("auto", "auto (bitsandbytes AdamW8bit on CUDA, torch AdamW elsewhere) | adamw | adamw8bit",
-                             choices=("auto", "adamw", "adamw8bit"))
+    optimizer: str = setting("auto", optimizer_help, choices=optimizer_names)
     loss: str = setting("ppo_clip", "ppo_clip (clip-higher PPO surrogate) | bpo (complementary-probability weight) | "
                         "cispo (REINFORCE with the importance weight capped at 1 + clip_high, detached; TRL: loss_type "
                         "cispo)", choices=loss_names)

@@ -43,6 +43,7 @@ from ..losses.policy import (
 )
 from ..model.loading import training_attention
 from .distributed import Ranks
+from .optimizers import OPTIMIZERS, resolve_optimizer
 
 # step metrics policy_update adds when they apply (the trainer copies those present into metrics.jsonl)
 OPTIONAL_STEP_METRICS = ("engine_log_ratio_mean", "engine_log_ratio_max", "mismatch_truncated_fraction",
@@ -54,8 +55,11 @@ _OPTIMIZERS: dict[str, Callable] = {}
 
 
 def optimizer(name: str):
-    """@optimizer("name") above fn(params, train_config) -> torch optimizer: a `train.optimizer` choice."""
+    """@optimizer("name") above fn(params, train_config) -> torch optimizer binds it to its row of the torch-free
+    table rl/optimizers.py (the `train.optimizer` choices)."""
     def deco(fn):
+        if name not in OPTIMIZERS:
+            raise ValueError(f"optimizer {name!r} has no row in rl/optimizers.py ({', '.join(OPTIMIZERS)})")
         _OPTIMIZERS[name] = fn
         return fn
     return deco
@@ -77,10 +81,8 @@ def adamw8bit(params, t):
 
 
 def make_optimizer(cfg: Config, model, device):
-    """The `train.optimizer` optimizer over the trainable parameters; auto is adamw8bit on CUDA, adamw elsewhere."""
-    kind = cfg.train.optimizer
-    if kind == "auto":
-        kind = "adamw8bit" if device.type == "cuda" else "adamw"
+    """The `train.optimizer` optimizer over the trainable parameters (auto: `resolve_optimizer` for the device)."""
+    kind = resolve_optimizer(cfg.train.optimizer, device.type)
     if kind not in _OPTIMIZERS:
         raise ConfigError(f"train.optimizer: {kind!r} is not accepted; choose one of auto, {', '.join(_OPTIMIZERS)}")
     return _OPTIMIZERS[kind]([p for p in model.parameters() if p.requires_grad], cfg.train)
