@@ -14,7 +14,7 @@ from typing import Any
 from ..engines import engine_choices, get_engine
 from ..errors import ConfigError
 from ..estimators import estimator_names, get_estimator
-from ..losses import LEVELS, aggregation_names, check_loss_config, loss_names
+from ..losses import LEVELS, aggregation_help, aggregation_names, check_loss_config, loss_help, loss_names
 from ..rl.optimizers import optimizer_help, optimizer_names
 from .fields import ANY, AT_LEAST_1, NONNEG, POS, UNIT_OPEN, Range, setting
 
@@ -284,13 +284,8 @@ class TrainConfig:
                             choices=("cosine", "constant"))
     max_grad_norm: float = setting(1.0, "the gradient norm is clipped to this value", range=POS)
     optimizer: str = setting("auto", optimizer_help, choices=optimizer_names)
-    loss: str = setting("ppo_clip", "ppo_clip (clip-higher PPO surrogate) | bpo (complementary-probability weight) | "
-                        "cispo (REINFORCE with the importance weight capped at 1 + clip_high, detached; TRL: loss_type "
-                        "cispo)", choices=loss_names)
-    loss_aggregation: str = setting("token-mean", "how per-token losses become the step's loss: token-mean (TRL: dapo) "
-                                    "| seq-mean-token-mean (grpo) | local-token-mean (bnpo) | seq-mean-token-sum-norm "
-                                    "(dr_grpo); TRL: loss_type, whose cispo means train.loss=cispo with token-mean",
-                                    choices=_aggregations_with_trl, trl="loss_type")
+    loss: str = setting("ppo_clip", loss_help, choices=loss_names)
+    loss_aggregation: str = setting("token-mean", aggregation_help, choices=_aggregations_with_trl, trl="loss_type")
     importance_sampling_level: str = setting("token", "the importance ratio per token | per sequence (GSPO: exp of the "
                                              "mean log-ratio of the sequence); ppo_clip and cispo",
                                              choices=LEVELS, trl="importance_sampling_level")

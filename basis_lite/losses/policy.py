@@ -279,7 +279,7 @@ def get_policy_loss(name: str) -> PolicyLossFn:
 
 
 def get_aggregation(name: str) -> AggregationFn:
-    name = next((s.name for s in AGGREGATIONS.values() if name == s.trl), name)  # TRL's loss_type names too
+    """The aggregation named `name` here (TRL's loss_type names are read as ours when the config loads)."""
     if name not in _AGGREGATION_FNS:
         raise ValueError(f"aggregation {name!r} not accepted; choose one of {', '.join(_AGGREGATION_FNS)}")
     return _AGGREGATION_FNS[name]
@@ -345,7 +345,7 @@ def seq_mean_token_sum_norm(per_token: Tensor, m: Tensor, norm: Normalizer) -> T
 
 def aggregate(per_token: Tensor, mask: Tensor, aggregation: str = "token-mean", num_tokens: Optional[float] = None,
               num_sequences: Optional[float] = None) -> Tensor:
-    """Reduce a per-token loss [B, T] to a scalar with a registered aggregation (its name or TRL's):
+    """Reduce a per-token loss [B, T] to a scalar with a registered aggregation (by its name here):
 
     token-mean:           sum_{i,t} m l / N,  N = num_tokens (whole step) or sum(m) of this micro-batch.
     seq-mean-token-mean:  sum_i [ sum_t m l / max(1, sum_t m) ] / S,  S = num_sequences (whole step) or B.
