@@ -20,7 +20,7 @@ LAYERS = [
     ("contracts", "import nothing of the package's but each other", {
         "": ["errors", "faults", "safeio"],
         "config": ["fields"],
-        "data": ["tasks", "example"],
+        "data": ["tasks", "example", "formats"],
         "rewards": ["__init__", "answers"],
         "model": ["__init__", "downloads"],
         "estimators": ["trajectory_layout"],

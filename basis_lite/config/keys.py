@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..data.formats import format_suffixes
+from ..data.tasks import BUILTIN_TASKS, check_levels
 from ..engines import engine_choices, get_engine
 from ..errors import ConfigError
 from ..estimators import estimator_names, get_estimator
@@ -68,11 +70,15 @@ def _check_lora(cfg: Config) -> None:
         raise ConfigError(f"lora.target_modules: expected 'all-linear' or a list of module names, got {tm!r}")
 
 
+def _dataset_help() -> str:
+    return (f"{' | '.join(BUILTIN_TASKS)} (built in, generated, seeded) | gsm8k | math (hub) | "
+            "hf:owner/name[:config] (any hub dataset, with question_field / answer_field) | a local "
+            f"{'/'.join(format_suffixes())} file (data/formats.py) or a folder written by save_to_disk")
+
+
 @dataclass
 class DataConfig:
-    dataset: str = setting("arithmetic", "arithmetic | algebra | wordproblems (built in, generated, seeded) | gsm8k | "
-                           "math (hub) | hf:owner/name[:config] (any hub dataset, with question_field / answer_field) "
-                           "| a local .jsonl/.json/.csv/.parquet file", nonempty=True)
+    dataset: str = setting("arithmetic", _dataset_help, nonempty=True)
     levels: list = setting([1, 2], "built-in tasks: the difficulty levels to draw from")
     train_size: int = setting(2000, "training problems: a count for built-in tasks; a cap for hub datasets and files "
                               "(0 = all)", range=Range(0, 10_000_000))
@@ -111,8 +117,6 @@ def _check_data(cfg: Config) -> None:
     if name.startswith("hf:") and not _HF_DATASET.fullmatch(name):
         raise ConfigError(f"data.dataset: {name!r} is not accepted; expected hf:owner/name or hf:owner/name:config "
                           f"(e.g. hf:openai/gsm8k:main)")
-    from ..data.tasks import BUILTIN_TASKS, check_levels  # torch-free; only read for built-in tasks
-
     if name in BUILTIN_TASKS:
         try:
             check_levels(name, d.levels)

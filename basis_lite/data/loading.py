@@ -14,9 +14,9 @@ gsm8k, math (Hugging Face hub, through `datasets`, imported lazily)
     ``data.eval_size`` the eval rows (0 = none), each a seeded random subset. Without network access this
     raises DataError suggesting a local file.
 
-a local file: ``.jsonl``, ``.json`` (a list of objects, or JSON lines), ``.csv``, ``.parquet``, ``.arrow``, or a
-    folder written by `datasets`' ``save_to_disk`` (one Dataset; a DatasetDict's split folder). Arrow data is read
-    with pyarrow alone (nothing is unpickled).
+a local file in one of the formats of ``formats.py`` (by suffix: ``format_suffixes()``), or a folder written by
+    `datasets`' ``save_to_disk`` (one Dataset; a DatasetDict's split folder), read as Arrow data with pyarrow alone
+    (nothing is unpickled).
     Fields ``data.question_field`` / ``data.answer_field``; when they keep their defaults (question, answer) and
     the data lacks them, TRL's names are used: ``prompt`` for the question, ``solution`` for the answer. The
     question is text (TRL's standard format) or a list of ``{"role", "content"}`` messages (TRL's conversational
@@ -40,21 +40,17 @@ and the reason; below it, a warning lists them.
 from __future__ import annotations
 
 import contextlib
-import csv
 import difflib
 import functools
-import io
-import json
 import logging
 import os
 import random
 import socket
 from pathlib import Path
-from typing import Any
 
 from ..errors import DataError
-from ..safeio import read_json
 from .example import Example
+from .formats import FileRows, arrow_files, format_suffixes, get_format, is_datasets_folder
 from .rows import (
     Row,
     check_bad,
@@ -71,145 +67,18 @@ from .tasks import BUILTIN_TASKS, load_builtin
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "eval")
-LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".arrow")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # local files
 # ---------------------------------------------------------------------------------------------------------------
 
-def _read_jsonl_bytes(data: bytes) -> tuple[list[tuple[int, Any]], list[tuple[int, str]], int]:
-    rows, bad, total = [], [], 0
-    for n, line in enumerate(data.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        total += 1
-        try:
-            text = line.decode("utf-8", errors="strict")
-        except UnicodeDecodeError:
-            bad.append((n, "not valid UTF-8"))
-            continue
-        if n == 1:
-            text = text.lstrip("\ufeff")
-        try:
-            rows.append((n, json.loads(text)))
-        except json.JSONDecodeError as e:
-            bad.append((n, f"not valid JSON: {e.msg}"))
-        except RecursionError:
-            bad.append((n, "nested too deeply to read"))
-    return rows, bad, total
-
-
-def is_datasets_folder(path: Path) -> bool:
-    """A folder written by `datasets`' ``save_to_disk`` (a Dataset: state.json and .arrow files; or a DatasetDict:
-    dataset_dict.json and one folder per split)."""
-    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
-
-
-def _arrow_files(path: Path) -> list[Path]:
-    """The .arrow files of a file or a ``save_to_disk`` folder, in order (state.json lists them; JSON only)."""
-    if not path.is_dir():
-        return [path]
-    if (path / "dataset_dict.json").is_file():
-        try:
-            splits = read_json(path / "dataset_dict.json").get("splits") or []
-        except (OSError, ValueError, AttributeError):
-            splits = []
-        example = path / (splits[0] if splits else "train")
-        raise DataError(f"data.dataset: {str(path)!r} is a DatasetDict saved with save_to_disk (splits: "
-                        f"{', '.join(map(str, splits)) or 'unknown'}); point data.dataset at one split's folder, "
-                        f"e.g. {str(example)!r} (one split is divided into train and eval like a file)")
-    try:
-        state = read_json(path / "state.json")
-        files = [path / str(f["filename"]) for f in state.get("_data_files") or []]
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        files = []
-    files = [f for f in files if f.is_file()] or sorted(path.glob("*.arrow"))
-    if not files:
-        raise DataError(f"data.dataset: {str(path)!r} has a state.json but no .arrow data files; save it again "
-                        f"with Dataset.save_to_disk")
-    return files
-
-
-def _read_arrow(path: Path):
-    """A pyarrow Table from Arrow IPC files (the stream format `datasets` writes, or the file format). Only
-    pyarrow reads them: nothing is unpickled."""
-    try:
-        import pyarrow as pa
-    except ImportError:
-        raise DataError(f"{path}: reading .arrow data needs pyarrow (pip install pyarrow)") from None
-    tables = []
-    for f in _arrow_files(path):
-        try:
-            with pa.memory_map(str(f)) as src:
-                try:
-                    tables.append(pa.ipc.open_stream(src).read_all())
-                except pa.ArrowInvalid:
-                    src.seek(0)
-                    tables.append(pa.ipc.open_file(src).read_all())
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{f}: not a readable Arrow file ({type(e).__name__}: {e})") from None
-    try:
-        return pa.concat_tables(tables)
-    except pa.ArrowException as e:
-        raise DataError(f"{path}: its .arrow files do not share one schema ({e})") from None
-
-
-def _read_file(path: Path, qf: str) -> tuple[list[tuple[int, Any]], list[tuple[int, str]], int, list | None, str]:
-    """(rows, bad, total, columns or None, row label)."""
-    suffix = path.suffix.lower()
-    if suffix == ".arrow" or path.is_dir():
-        table = _read_arrow(path)
-        records = table.to_pylist()
-        return [(i + 1, r) for i, r in enumerate(records)], [], len(records), table.column_names, "row"
-    if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-        try:
-            table = pq.read_table(path)
-        except Exception as e:
-            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
-        records = table.to_pylist()
-        return [(i + 1, r) for i, r in enumerate(records)], [], len(records), table.column_names, "row"
-    data = path.read_bytes()
-    if suffix == ".csv":
-        text = data.decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
-        reader = csv.DictReader(io.StringIO(text, newline=""))
-        rows, bad, total = [], [], 0
-        try:
-            for rec in reader:
-                total += 1
-                n = reader.line_num
-                if None in rec:  # more cells than header names
-                    bad.append((n, f"{len(rec[None])} more cells than the header has columns"))
-                    continue
-                if any(isinstance(v, str) and any("\udc80" <= c <= "\udcff" for c in v) for v in rec.values()):
-                    bad.append((n, "not valid UTF-8"))
-                    continue
-                rows.append((n, {k: v for k, v in rec.items()}))
-        except csv.Error as e:
-            raise DataError(f"{path}: not a readable CSV file (line {reader.line_num}: {e})") from None
-        return rows, bad, total, list(reader.fieldnames or []), "line"
-    if suffix == ".json":
-        try:
-            obj = json.loads(data.decode("utf-8-sig"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            obj = None  # JSON lines in a .json file, or a damaged file: read it line by line
-        if isinstance(obj, dict):
-            lists = [v for v in obj.values() if isinstance(v, list) and v and isinstance(v[0], dict)]
-            if len(lists) == 1:
-                obj = lists[0]
-            elif qf in obj:
-                obj = [obj]
-            else:
-                raise DataError(f"{path}: expected a JSON list of objects (or one object per line), got an object "
-                                f"with keys {', '.join(list(obj)[:10])}")
-        if isinstance(obj, list):
-            return [(i + 1, r) for i, r in enumerate(obj)], [], len(obj), None, "item"
-    rows, bad, total = _read_jsonl_bytes(data)
-    return rows, bad, total, None, "line"
+def _read_file(path: Path, qf: str) -> FileRows:
+    """The rows of a local file or ``save_to_disk`` folder, read by its format's reader (data/formats.py)."""
+    fmt = get_format(".arrow" if path.is_dir() else path.suffix)
+    if fmt is None:
+        raise DataError(f"data.dataset: {str(path)!r} is not a {'/'.join(format_suffixes())} file")
+    return fmt.read(path, qf)
 
 
 @functools.lru_cache(maxsize=8)
@@ -239,13 +108,13 @@ def _load_file_rows(path_str: str, mtime_ns: int, size: int, qf: str, af: str,
 def _directory_error(path: Path) -> DataError:
     """A folder given as data.dataset: say so, and name the data files inside it."""
     try:
-        inside = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES)
+        inside = sorted(p.name for p in path.iterdir() if p.is_file() and get_format(p.suffix))
     except OSError:
         inside = []
     hint = (f"; data files in it: {', '.join(inside[:10])}" + (", ..." if len(inside) > 10 else "")) if inside else (
-        f"; it holds no {'/'.join(LOCAL_SUFFIXES)} file")
+        f"; it holds no {'/'.join(format_suffixes())} file")
     return DataError(f"data.dataset: {str(path)!r} is a directory, not a file nor a folder written by "
-                     f"save_to_disk; point data.dataset at one {'/'.join(LOCAL_SUFFIXES)} file{hint}")
+                     f"save_to_disk; point data.dataset at one {'/'.join(format_suffixes())} file{hint}")
 
 
 def _local(cfg, split: str, path: Path) -> list[Example]:
@@ -254,7 +123,7 @@ def _local(cfg, split: str, path: Path) -> list[Example]:
     if not path.exists():
         where = "" if path.parent.is_dir() else f" (its folder {str(path.parent)!r} does not exist either)"
         raise DataError(f"data.dataset: file {str(path)!r} not found{where}")
-    stats = [f.stat() for f in _arrow_files(path)] if path.is_dir() else [path.stat()]
+    stats = [f.stat() for f in arrow_files(path)] if path.is_dir() else [path.stat()]
     rows, label = _load_file_rows(str(path.resolve()), max(st.st_mtime_ns for st in stats),
                                   sum(st.st_size for st in stats), cfg.question_field,
                                   cfg.answer_field, float(cfg.max_bad_fraction),
@@ -339,7 +208,7 @@ def _hub(cfg, split: str, key: str) -> list[Example]:
         return []
     hint = (f"If the hub is unreachable (an offline machine), get the data elsewhere and point data.dataset at a "
             f"local file instead, e.g. `data.dataset: path/to/{key.replace('hf:', '').replace('/', '_')}.jsonl` "
-            f"with data.question_field / data.answer_field naming its fields (.jsonl, .json, .csv and .parquet "
+            f"with data.question_field / data.answer_field naming its fields ({', '.join(format_suffixes())} "
             f"work; one file is split into train and eval).")
     try:
         import datasets
@@ -381,15 +250,15 @@ def load_examples(cfg, split: str) -> list[Example]:
     if name in HUB_DATASETS or name.startswith("hf:"):
         return _hub(cfg, split, name)
     path = Path(os.path.expanduser(name))
-    if path.suffix.lower() in LOCAL_SUFFIXES or is_datasets_folder(path):
+    if get_format(path.suffix) or is_datasets_folder(path):
         return _local(cfg, split, path)
     accepted = (f"{', '.join(BUILTIN_TASKS)} (built in), {', '.join(HUB_DATASETS)} (hub), "
-                f"hf:owner/name[:config], a path to a {'/'.join(LOCAL_SUFFIXES)} file, or a folder written by "
+                f"hf:owner/name[:config], a path to a {'/'.join(format_suffixes())} file, or a folder written by "
                 f"datasets' save_to_disk")
     if name and path.is_dir():
         raise _directory_error(path)
     if name and path.exists():
-        raise DataError(f"data.dataset: {name!r} is not a {'/'.join(LOCAL_SUFFIXES)} file; choose one of {accepted}")
+        raise DataError(f"data.dataset: {name!r} is not a {'/'.join(format_suffixes())} file; choose one of {accepted}")
     close = difflib.get_close_matches(name.lower(), BUILTIN_TASKS + tuple(HUB_DATASETS), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise DataError(f"data.dataset: {name!r} is not accepted{hint}; choose one of {accepted}")
