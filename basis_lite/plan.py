@@ -22,9 +22,11 @@ a small built-in table of known models: nothing is downloaded) and the config:
     activations         gradient checkpointing: micro_batch x seq x hidden x layers x dtype bytes (the saved layer
                         inputs) + one layer's full activations + one dequantised 16-bit weight
     log-prob chunk      logprob_chunk_size x vocab x 4 B x 3 (fp32 logits, log-softmax, their gradient)
-    generation          hf engine: the KV cache of one generate() batch, 2 x layers x kv_heads x head_dim x bytes x
-                        sequences x seq; vLLM: its gpu_memory_utilization share of the card (Unsloth shares the base
-                        weights with it; plain vLLM holds its own 16-bit copy of the base inside that share)
+    generation          by the memory model of the engine the run builds (EngineSpec.memory, engines/__init__.py):
+                        kv_cache (hf): the KV cache of one generate() batch, 2 x layers x kv_heads x head_dim x bytes
+                        x sequences x seq, plus the fast CPU path's weight copies (fast_cpu); gpu_share (vLLM): its
+                        gpu_memory_utilization share of the card (Unsloth shares the base weights with it; plain
+                        vLLM holds its own 16-bit copy of the base inside that share)
 
 Generation and training do not overlap in time, so the peak is the larger of the two phases, except that vLLM keeps
 its share between rollouts (unless Unsloth's standby mode frees the KV cache while training).
@@ -43,11 +45,11 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import Config, ConfigError, cache_root, load_config, preset_path
-from .engines import select_engine
+from .engines import EngineSpec, select_engine
 from .model.downloads import SMOLLM2_CACHE_DIR
 from .rl.optimizers import OPTIMIZERS, resolve_optimizer
 
@@ -207,134 +209,198 @@ class Plan:
     engine: str  # a one-line description of the rollout engine
 
 
+@dataclass
+class _Sizing:
+    """What the steps of build_plan read (the config, the model's shape, the card, the engine) and fill in (the
+    parts, notes and problems, in table order)."""
+
+    cfg: Config
+    shape: ModelShape
+    cuda: bool
+    db: int  # bytes per weight / activation element in the compute dtype
+    gpus: int
+    card: float | None  # GiB, or None when unknown
+    engine: EngineSpec
+    parts: dict = field(default_factory=dict)  # label -> GiB
+    notes: list = field(default_factory=list)
+    problems: list = field(default_factory=list)  # will not run at all, whatever the total says
+
+    @property
+    def seqs(self) -> int:
+        """This card's sequences per step (its share of the global batch)."""
+        return self.cfg.train.batch_size // self.gpus * self.cfg.estimator.rollouts_per_prompt
+
+
 def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShape | None = None,
                shape_source: str = "", gpus: int = 1) -> Plan:
-    """The estimate for one card; with `gpus` > 1, one card of a data-parallel run over that many."""
+    """The estimate for one card (with `gpus` > 1, one card of a data-parallel run over that many), in the steps of
+    the module docstring: the parts held throughout (runtime, base weights, LoRA and its optimizer state,
+    data-parallel buffers), the training phase, the generation phase by the engine's memory model (its EngineSpec,
+    engines/__init__.py), then the peak over the phases and the notes."""
     check_gpus(cfg, gpus)
     if shape is None:
         shape, shape_source = model_shape(cfg.model.name, cfg.model.cache_dir)
     cuda = cfg.device != "cpu"
-    m, t, g, e = cfg.model, cfg.train, cfg.generation, cfg.estimator
-    db = _dtype_bytes(cfg, cuda)
     backend = resolve_plan_backend(cfg) if cuda else "hf"
-    spec = select_engine(cfg, backend, "cuda" if cuda else "cpu")
-    use_vllm = spec.memory == "gpu_share"
-    shared = use_vllm and not spec.own_base_copy
-    notes: list[str] = []
-    problems: list[str] = []  # will not run at all, whatever the total says
-    parts: dict[str, float] = {}
+    s = _Sizing(cfg, shape, cuda, _dtype_bytes(cfg, cuda), gpus, gpu_memory_gb,
+                select_engine(cfg, backend, "cuda" if cuda else "cpu"))
+    weights = held_parts(s)
+    train_phase = training_phase(s)
+    gen_phase, keeps_share = GENERATION_PHASE[s.engine.memory](s, weights)
+    total = peak(s, train_phase, gen_phase, keeps_share)
+    general_notes(s, backend)
+    return Plan(parts=s.parts, total=total, shape=shape, shape_source=shape_source, notes=s.notes,
+                problems=s.problems, cuda=cuda, engine=s.engine.description)
 
-    parts["CUDA context" if cuda else "runtime (none on CPU)"] = CUDA_CONTEXT_GIB if cuda else 0.0
-    if m.load_in_4bit:
+
+def held_parts(s: _Sizing) -> float:
+    """The runtime, base weights, LoRA params + grads, optimizer state and data-parallel buffers; returns the base
+    weights' GiB."""
+    cfg, shape, db = s.cfg, s.shape, s.db
+    s.parts["CUDA context" if s.cuda else "runtime (none on CPU)"] = CUDA_CONTEXT_GIB if s.cuda else 0.0
+    if cfg.model.load_in_4bit:
         weights = (shape.linear_params * NF4_BYTES_PER_PARAM + shape.embedding_params * db) / GIB
-        label = "base weights (4-bit linears, 16-bit embeddings)"
+        s.parts["base weights (4-bit linears, 16-bit embeddings)"] = weights
     else:
         weights = shape.params * db / GIB
-        label = f"base weights ({8 * db}-bit)"
-    parts[label] = weights
-
+        s.parts[f"base weights ({8 * db}-bit)"] = weights
     n_lora = _lora_params(shape, cfg.lora.r, cfg.lora.target_modules)
-    parts[f"LoRA r={cfg.lora.r} params + grads (fp32)"] = n_lora * 8 / GIB
-    opt = resolve_optimizer(t.optimizer, "cuda" if cuda else "cpu")
-    parts[f"optimizer state ({opt})"] = n_lora * OPTIMIZERS[opt].state_bytes / GIB
-    if gpus > 1:
-        parts["data-parallel: flat fp32 LoRA gradients for the all-reduce"] = n_lora * 4 / GIB
-        if cuda:
-            parts["data-parallel: NCCL communicator buffers (rough)"] = NCCL_BUFFERS_GIB
+    s.parts[f"LoRA r={cfg.lora.r} params + grads (fp32)"] = n_lora * 8 / GIB
+    opt = resolve_optimizer(cfg.train.optimizer, "cuda" if s.cuda else "cpu")
+    s.parts[f"optimizer state ({opt})"] = n_lora * OPTIMIZERS[opt].state_bytes / GIB
+    if s.gpus > 1:
+        s.parts["data-parallel: flat fp32 LoRA gradients for the all-reduce"] = n_lora * 4 / GIB
+        if s.cuda:
+            s.parts["data-parallel: NCCL communicator buffers (rough)"] = NCCL_BUFFERS_GIB
+    return weights
 
-    # training phase
+
+def training_phase(s: _Sizing) -> float:
+    """The activations of one micro-batch and the log-prob chunk; returns their GiB."""
+    m, t, shape, db = s.cfg.model, s.cfg.train, s.shape, s.db
     T, mb = m.max_seq_length, t.micro_batch_size
     one_layer = mb * T * (10 * shape.hidden + 4 * shape.intermediate) * db  # q,k,v,o, norms, residuals, MLP
     dequant = shape.hidden * shape.intermediate * db if m.load_in_4bit else 0  # one dequantised weight at a time
     if m.gradient_checkpointing:
         act = mb * T * shape.hidden * shape.layers * db + one_layer + dequant
-        act_label = f"activations (checkpointed, micro-batch {mb} x {T} tokens)"
+        how = "checkpointed"
     else:
         act = shape.layers * one_layer + dequant
-        act_label = f"activations (no checkpointing, micro-batch {mb} x {T} tokens)"
+        how = "no checkpointing"
     if t.kl_coef > 0:
-        notes.append("kl_coef > 0 adds one no-grad reference forward per micro-batch (small: not counted)")
-    parts[act_label] = act / GIB
-    chunk = min(t.logprob_chunk_size, mb * min(T, g.max_new_tokens))  # completion tokens only
-    parts[f"log-prob chunk ({chunk} tokens x vocab {shape.vocab}, fp32 x3)"] = chunk * shape.vocab * 4 * 3 / GIB
-    train_phase = parts[act_label] + parts[f"log-prob chunk ({chunk} tokens x vocab {shape.vocab}, fp32 x3)"]
+        s.notes.append("kl_coef > 0 adds one no-grad reference forward per micro-batch (small: not counted)")
+    s.parts[f"activations ({how}, micro-batch {mb} x {T} tokens)"] = act / GIB
+    chunk = min(t.logprob_chunk_size, mb * min(T, s.cfg.generation.max_new_tokens))  # completion tokens only
+    logprob = chunk * shape.vocab * 4 * 3 / GIB
+    s.parts[f"log-prob chunk ({chunk} tokens x vocab {shape.vocab}, fp32 x3)"] = logprob
+    return act / GIB + logprob
 
-    # generation phase
-    seqs = t.batch_size // gpus * e.rollouts_per_prompt  # this card's share of the global batch
-    kv_tok = shape.kv_bytes_per_token(db)
-    standby = spec.standby and m.unsloth_standby
-    keeps_share = False
-    if not use_vllm:
-        per_call = max(1, g.batch_size // max(1, e.rollouts_per_prompt)) * e.rollouts_per_prompt
-        per_call = min(per_call, seqs)
-        rows = per_call * (2 if cfg.eapo.prior_adapter else 1)  # EAPO decodes policy and prior rows together
-        kv = rows * T * kv_tok
-        logits = rows * shape.vocab * 4 * 2  # last-position logits + the sampling copy
-        label = f"generation: HF KV cache ({per_call} sequences x {T} tokens)"
-        if rows != per_call:
-            label = f"generation: HF KV cache ({per_call} sequences x 2 rows for EAPO x {T} tokens)"
-        parts[label] = (kv + logits) / GIB
-        gen_phase = parts[label]
-        engine = spec.description
+
+def kv_cache_phase(s: _Sizing, weights: float) -> tuple[float, bool]:
+    """Memory model kv_cache: one generate() call's KV cache and last-position logits (and, for the fast CPU
+    path, its weight copies), freed before the update. Returns (GiB, kept while training: False)."""
+    cfg, shape, T = s.cfg, s.shape, s.cfg.model.max_seq_length
+    g = cfg.estimator.rollouts_per_prompt
+    per_call = min(max(1, cfg.generation.batch_size // max(1, g)) * g, s.seqs)
+    rows = per_call * (2 if cfg.eapo.prior_adapter else 1)  # EAPO decodes policy and prior rows together
+    kv = rows * T * shape.kv_bytes_per_token(s.db)
+    logits = rows * shape.vocab * 4 * 2  # last-position logits + the sampling copy
+    eapo = " x 2 rows for EAPO" if rows != per_call else ""
+    s.parts[f"generation: HF KV cache ({per_call} sequences{eapo} x {T} tokens)"] = (kv + logits) / GIB
+    gen = (kv + logits) / GIB
+    if s.engine.weight_copies:
+        copies, how = fast_cpu_copies(shape, s.db, cfg.lora.r, cfg.lora.target_modules)
+        s.parts[f"generation: fast CPU path's weight copies ({how})"] = copies / GIB
+        gen += copies / GIB
+    return gen, False
+
+
+def fast_cpu_copies(shape: ModelShape, db: int, r: int, target_modules) -> tuple[float, str]:
+    """(bytes, what) of the weight copies engines/fast_cpu.py builds for a rollout: over a float32 base every
+    linear merged with its adapter, fused per layer, and a oneDNN copy of the output head; over a 16-bit base the
+    linears fused in the base dtype and each fused group's LoRA factors in float32 beside them."""
+    if db == 4:
+        return (shape.linear_params + shape.vocab * shape.hidden) * 4.0, "merged fp32 linears + output head"
+    lin = shape.linear_shapes
+    names = set(lin) if target_modules == "all-linear" else set(target_modules) & set(lin)
+    lora = 0
+    for group in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
+        rank = r * len(names.intersection(group))  # [A; A; ...] [rank, in] and block-diagonal B [out, rank]
+        lora += rank * (lin[group[0]][0] + sum(lin[n][1] for n in group)) * 4
+    return shape.linear_params * db + shape.layers * lora, f"{8 * db}-bit linears + fp32 LoRA"
+
+
+def gpu_share_phase(s: _Sizing, weights: float) -> tuple[float, bool]:
+    """Memory model gpu_share: vLLM's model.gpu_memory_utilization share of the card (its own 16-bit base inside it,
+    for an engine with own_base_copy), kept while training unless the engine's standby frees it. Returns (GiB,
+    kept while training)."""
+    m, shape, T, card = s.cfg.model, s.shape, s.cfg.model.max_seq_length, s.card
+    standby = s.engine.standby and m.unsloth_standby
+    util = m.gpu_memory_utilization
+    if standby and card:
+        util = standby_utilization(card)
+        s.notes.append(f"UNSLOTH_VLLM_STANDBY=1: Unsloth overrides gpu_memory_utilization to {util:.2f} for a "
+                       f"{card:g} GiB card and frees the KV cache while training")
+    kv_tok = shape.kv_bytes_per_token(s.db)
+    kv_need = min(s.seqs, 256) * T * kv_tok / GIB + VLLM_BUFFERS_GIB
+    own = shape.params * s.db / GIB if s.engine.own_base_copy else 0.0  # plain vLLM: its own unquantised copy
+    if card:
+        share = util * card
+        kv_share = max(share - (own if s.engine.own_base_copy else weights), 0.0)
+        one_seq = T * kv_tok / GIB + VLLM_BUFFERS_GIB
+        if kv_share < one_seq:
+            s.problems.append(f"vLLM's share ({util:.2f} x {card:g} GiB = {share:.2f} GiB) leaves {kv_share:.2f} GiB "
+                              f"after the weights, less than one {T}-token sequence needs ({one_seq:.2f} GiB with "
+                              "buffers): vLLM will refuse to start; raise model.gpu_memory_utilization or lower "
+                              "model.max_seq_length")
+        elif kv_share < kv_need:
+            s.notes.append(f"vLLM's share ({util:.2f} x {card:g} GiB) leaves {kv_share:.2f} GiB for the KV cache; "
+                           f"{kv_need:.2f} GiB would hold all {min(s.seqs, 256)} sequences at once (vLLM then runs "
+                           "them in waves: slower, not an error, unless it is below one sequence)")
+        how = f"gpu_memory_utilization {util:.2f} x {card:g} GiB"
     else:
-        util = m.gpu_memory_utilization
-        if standby and gpu_memory_gb:
-            util = standby_utilization(gpu_memory_gb)
-            notes.append(f"UNSLOTH_VLLM_STANDBY=1: Unsloth overrides gpu_memory_utilization to {util:.2f} for a "
-                         f"{gpu_memory_gb:g} GiB card and frees the KV cache while training")
-        kv_need = min(seqs, 256) * T * kv_tok / GIB + VLLM_BUFFERS_GIB
-        vllm_weights = 0.0 if shared else shape.params * db / GIB  # plain vLLM: its own unquantised copy
-        if gpu_memory_gb:
-            share = util * gpu_memory_gb
-            owned_weights = weights if shared else vllm_weights
-            kv_share = max(share - owned_weights, 0.0)
-            one_seq = T * kv_tok / GIB + VLLM_BUFFERS_GIB
-            if kv_share < one_seq:
-                problems.append(f"vLLM's share ({util:.2f} x {gpu_memory_gb:g} GiB = {share:.2f} GiB) leaves "
-                                f"{kv_share:.2f} GiB after the weights, less than one {T}-token sequence needs "
-                                f"({one_seq:.2f} GiB with buffers): vLLM will refuse to start; raise "
-                                "model.gpu_memory_utilization or lower model.max_seq_length")
-            elif kv_share < kv_need:
-                notes.append(f"vLLM's share ({util:.2f} x {gpu_memory_gb:g} GiB) leaves {kv_share:.2f} GiB for the "
-                             f"KV cache; {kv_need:.2f} GiB would hold all {min(seqs, 256)} sequences at once "
-                             "(vLLM then runs them in waves: slower, not an error, unless it is below one sequence)")
-            how = f"gpu_memory_utilization {util:.2f} x {gpu_memory_gb:g} GiB"
-        else:
-            kv_share = kv_need
-            how = f"{min(seqs, 256)} sequences x {T} tokens; card size unknown"
-        engine = spec.description
-        label = f"generation: vLLM KV cache + buffers ({how})"
-        if not shared:
-            parts[f"generation: vLLM's own {8 * db}-bit base weights"] = vllm_weights
-            if m.load_in_4bit:
-                notes.append(f"plain vLLM cannot load bitsandbytes 4-bit (moved out of vLLM's tree in 0.28): it "
-                             f"holds the base in {8 * db}-bit, {vllm_weights:.2f} GiB besides the 4-bit training copy; "
-                             "backend unsloth with fast_inference shares one 4-bit copy instead")
-        parts[label] = kv_share
-        gen_phase = kv_share + vllm_weights
-        keeps_share = not standby
-    fixed = sum(v for k, v in parts.items()) - train_phase - gen_phase
-    total = fixed + (train_phase + gen_phase if keeps_share else max(train_phase, gen_phase))
+        kv_share = kv_need
+        how = f"{min(s.seqs, 256)} sequences x {T} tokens; card size unknown"
+    if s.engine.own_base_copy:
+        s.parts[f"generation: vLLM's own {8 * s.db}-bit base weights"] = own
+        if m.load_in_4bit:
+            s.notes.append(f"plain vLLM cannot load bitsandbytes 4-bit (moved out of vLLM's tree in 0.28): it holds "
+                           f"the base in {8 * s.db}-bit, {own:.2f} GiB besides the 4-bit training copy; backend "
+                           "unsloth with fast_inference shares one 4-bit copy instead")
+    s.parts[f"generation: vLLM KV cache + buffers ({how})"] = kv_share
+    return kv_share + own, not standby
+
+
+# the generation phase of each engine memory model (EngineSpec.memory)
+GENERATION_PHASE = {"kv_cache": kv_cache_phase, "gpu_share": gpu_share_phase}
+
+
+def peak(s: _Sizing, train_phase: float, gen_phase: float, keeps_share: bool) -> float:
+    """The total: the held parts plus the larger phase, or both phases when generation keeps its memory."""
+    held = sum(s.parts.values()) - train_phase - gen_phase
     if not keeps_share:
-        notes.append(f"generation ({gen_phase:.2f} GiB) and training ({train_phase:.2f} GiB) do not overlap: the "
-                     "peak counts the larger phase only")
-    else:
-        notes.append("vLLM keeps its share while training (set model.unsloth_standby=true to free the KV cache "
-                     "between rollouts): both phases are counted")
-    if gpus > 1 and cuda:
-        notes.append(f"{gpus} GPUs: per-card figures; the nccl path has not run on real GPUs yet (the gloo path is "
-                     "tested on CPUs), and Unsloth's in-process vLLM under torchrun is unverified")
-    if backend == "unsloth" and cuda and m.gradient_checkpointing:
-        notes.append("Unsloth's gradient checkpointing offloads the saved activations to CPU RAM: the activation "
-                     "line is an upper bound there")
-    if cfg.model.backend == "auto" and cuda:
+        s.notes.append(f"generation ({gen_phase:.2f} GiB) and training ({train_phase:.2f} GiB) do not overlap: the "
+                       "peak counts the larger phase only")
+        return held + max(train_phase, gen_phase)
+    s.notes.append("vLLM keeps its share while training (set model.unsloth_standby=true to free the KV cache "
+                   "between rollouts): both phases are counted")
+    return held + train_phase + gen_phase
+
+
+def general_notes(s: _Sizing, backend: str) -> None:
+    """Notes on the GPU count, Unsloth's checkpointing and the backend auto assumed."""
+    cfg = s.cfg
+    if s.gpus > 1 and s.cuda:
+        s.notes.append(f"{s.gpus} GPUs: per-card figures; the nccl path has not run on real GPUs yet (the gloo path "
+                       "is tested on CPUs), and Unsloth's in-process vLLM under torchrun is unverified")
+    if backend == "unsloth" and s.cuda and cfg.model.gradient_checkpointing:
+        s.notes.append("Unsloth's gradient checkpointing offloads the saved activations to CPU RAM: the activation "
+                       "line is an upper bound there")
+    if cfg.model.backend == "auto" and s.cuda:
         fallback = select_engine(cfg, "hf", "cuda")
-        notes.append("backend auto: assumed unsloth is installed on the GPU machine (else hf"
-                     + (f", and the {fallback.name} engine then loads its own 16-bit base"
-                        if fallback.own_base_copy else "") + ")")
-    return Plan(parts=parts, total=total, shape=shape, shape_source=shape_source, notes=notes, problems=problems,
-                cuda=cuda,
-                engine=engine)
+        s.notes.append("backend auto: assumed unsloth is installed on the GPU machine (else hf"
+                       + (f", and the {fallback.name} engine then loads its own 16-bit base"
+                          if fallback.own_base_copy else "") + ")")
 
 
 def check_gpus(cfg: Config, gpus: int) -> None:

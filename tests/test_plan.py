@@ -219,3 +219,28 @@ def test_eapo_doubles_the_hf_generation_rows():
     (kb,) = [k for k in eapo if k.startswith("generation: HF KV cache")]
     assert "EAPO" in kb and "EAPO" not in ka
     assert eapo[kb] == pytest.approx(2 * plain[ka])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_cpu_weight_copies_match_the_decoder(dtype):
+    """On the CPU the engine table picks the fast path (engines/__init__.py: fast_cpu, memory model kv_cache with
+    weight copies); the plan's copies equal what FastDecoder builds on the tiny model, merged fp32 linears + the
+    oneDNN head copy, or 16-bit fused linears + fp32 LoRA factors."""
+    from basis_lite.engines.fast_cpu import FastDecoder
+    from basis_lite.model.loading import load_policy
+    from basis_lite.plan import fast_cpu_copies
+
+    if dtype == torch.float32 and not torch.backends.mkldnn.is_available():
+        pytest.skip("the fp32 head copy is a oneDNN tensor")
+    cfg = load_config("smoke", ["device=cpu", f"model.dtype={str(dtype)[6:]}"])
+    model, _ = load_policy(cfg, torch.device("cpu"), dtype)
+    shape, _ = model_shape(cfg.model.name)
+    copies, _ = fast_cpu_copies(shape, 4 if dtype == torch.float32 else 2, cfg.lora.r, cfg.lora.target_modules)
+    assert copies == FastDecoder(model).extra_bytes
+    plan = build_plan(cfg)
+    assert plan.engine.startswith("hf with the fast CPU path")
+    (part,) = [v for k, v in plan.parts.items() if k.startswith("generation: fast CPU path's weight copies")]
+    assert part == pytest.approx(copies / 2**30)
+    for off in (["generation.fast_cpu=off"], ["model.load_in_4bit=true"]):  # generate(): no copies
+        other = build_plan(load_config("smoke", ["device=cpu", *off]))
+        assert not any("weight copies" in k for k in other.parts) and other.engine.startswith("hf (")

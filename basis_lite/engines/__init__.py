@@ -15,9 +15,9 @@ then, not when the config loads). Code outside this package reads these fields a
 Registered here:
 
 - ``hf`` (generation.engine: hf): the training model's own batched generate() (engines/hf.py).
-- ``fast_cpu`` (generation.engine: hf, on the CPU with generation.fast_cpu: auto): the same HF engine taking the
-  FastDecoder of engines/fast_cpu.py (merged weight copies during rollouts); per call it falls back to generate()
-  for trajectory features, EAPO injection and models it does not implement.
+- ``fast_cpu`` (generation.engine: hf, on the CPU with generation.fast_cpu: auto and no 4-bit base): the HF engine
+  taking the FastDecoder of engines/fast_cpu.py (weight copies during rollouts); per call it falls back to
+  generate() for trajectory features, EAPO injection and models it does not implement.
 - ``vllm`` (generation.engine: vllm): a plain in-process vllm.LLM with its own 16-bit base (engines/vllm.py).
 - ``unsloth_vllm`` (generation.engine: vllm with model.backend: unsloth and model.fast_inference: true): Unsloth's
   in-process vLLM sharing the 4-bit base with training (engines/vllm.py); it falls back to the plain engine when
@@ -214,7 +214,8 @@ VLLM_INSTALL = (
 
 
 def _fast_cpu_applies(cfg, backend: str, device_type: str) -> bool:
-    return device_type == "cpu" and cfg.generation.fast_cpu == "auto"
+    # the fast path reads plain torch Linears: a 4-bit base takes generate() (engines/fast_cpu.py: why_not)
+    return device_type == "cpu" and cfg.generation.fast_cpu == "auto" and not cfg.model.load_in_4bit
 
 
 def _unsloth_applies(cfg, backend: str, device_type: str) -> bool:
