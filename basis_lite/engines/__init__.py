@@ -228,7 +228,7 @@ register(EngineSpec(
     eapo=True, shares_model=True))
 register(EngineSpec(
     "fast_cpu", choice="hf", when=_fast_cpu_applies,
-    description="hf with the fast CPU path (merged weight copies during rollouts, freed before the update)",
+    description="hf with the fast CPU path (weight copies during rollouts, freed before the update)",
     eapo=True, shares_model=True, weight_copies=True))
 register(EngineSpec(
     "vllm", summary="in-process; through Unsloth on a GPU",

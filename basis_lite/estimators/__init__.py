@@ -38,7 +38,7 @@ from typing import Any, Callable
 from ..errors import ConfigError
 from . import basis_options, probe_options
 
-__all__ = ["EstimatorContext", "EstimatorSpec", "register", "get_estimator", "estimator_names"]
+__all__ = ["EstimatorContext", "EstimatorSpec", "register", "unregister", "get_estimator", "estimator_names"]
 
 
 @dataclass
@@ -185,6 +185,12 @@ def register(spec: EstimatorSpec) -> EstimatorSpec:
         raise ValueError(f"estimator {spec.name!r}: min_rollouts must be an integer >= 1, got {spec.min_rollouts!r}")
     _REGISTRY[spec.name] = spec
     return spec
+
+
+def unregister(name: str) -> None:
+    """Remove an estimator (for tests that register a throwaway one); a function bound by ``@estimator`` stays
+    bound: the decorator runs once, when its module is imported."""
+    _REGISTRY.pop(name, None)
 
 
 def get_estimator(name: str) -> EstimatorSpec:

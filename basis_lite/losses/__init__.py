@@ -73,7 +73,8 @@ def loss_help() -> str:
 
 def aggregation_help() -> str:
     """train.loss_aggregation's meaning: every aggregation with TRL's loss_type name, and TRL's names of losses."""
-    aggs = " | ".join(f"{s.name} ({'TRL: ' if i == 0 else ''}{s.trl})" for i, s in enumerate(AGGREGATIONS.values()))
+    aggs = " | ".join(s.name + (f" ({'TRL: ' if i == 0 else ''}{s.trl})" if s.trl else "")
+                      for i, s in enumerate(AGGREGATIONS.values()))
     losses = "".join(f", whose {s.trl} means train.loss={s.name} with {TRL_LOSS_AGGREGATION}"
                      for s in LOSSES.values() if s.trl)
     return f"how per-token losses become the step's loss: {aggs}; TRL: loss_type{losses}"
