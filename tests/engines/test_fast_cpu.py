@@ -29,8 +29,10 @@ def _policy(dtype=torch.float32, seed: int = 0):
     cfg = load_config("smoke", [f"model.dtype={str(dtype).split('.')[-1]}", "model.max_seq_length=256"])
     model, tok = load_policy(cfg, CPU, dtype)
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # move the adapter off zero, so policy and base differ
-        for n, p in model.named_parameters():
+    with torch.no_grad():  # move the adapter off zero, so policy and base differ; A drawn here too (its init reads
+        for n, p in model.named_parameters():  # the global RNG), so the model is the same whatever ran before
+            if "lora_A" in n:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     return cfg, model, tok
