@@ -13,7 +13,7 @@ from basis_lite import engines
 from basis_lite.config import FIELDS, ConfigError, load_config
 from basis_lite.config.fields import choices_of, help_text
 from basis_lite.engines import EngineSpec, engine, get_engine, select_engine
-from basis_lite.engines.base import Rollout, SamplingParams, stop_token_ids
+from basis_lite.engines.base import Engine, Rollout, SamplingParams, stop_token_ids
 from basis_lite.engines.hf import HFEngine
 from basis_lite.model.loading import load_policy
 from basis_lite.rl.update import mismatch_correction_on
@@ -123,6 +123,7 @@ class GreedyEngine:
     sampled tokens' log-probs; it generates with the training model itself."""
 
     name = "greedy_test"
+    trajectory_seconds = 0.0  # it computes no trajectory features
 
     def __init__(self, model, tok, max_prompt_tokens: int):
         self.model, self.tok, self.max_prompt_tokens = model, tok, max_prompt_tokens
@@ -171,7 +172,8 @@ def test_recipe_add_an_engine_builds_it_through_make_engine(policy, greedy_engin
     assert "greedy_test (greedy decoding, for a test)" in help_text(FIELDS["generation.engine"])
     assert not mismatch_correction_on(cfg)
     eng = make_engine(cfg, model, tok)
-    assert isinstance(eng, GreedyEngine) and eng.max_prompt_tokens == 128 - 6  # prompt_budget(cfg)
+    assert isinstance(eng, GreedyEngine) and isinstance(eng, Engine)  # the protocol's members, all there
+    assert eng.max_prompt_tokens == 128 - 6  # prompt_budget(cfg)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     got = eng.generate(PROMPTS, params)
     want = HFEngine(model, tok, fast_cpu="off").generate(PROMPTS, params, with_features=False)
