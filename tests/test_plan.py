@@ -10,15 +10,8 @@ import torch
 from conftest import cli_main
 
 from basis_lite.config import list_presets, load_config, preset_path
-from basis_lite.plan import (
-    ModelShape,
-    build_plan,
-    estimate_memory,
-    header_gpu_memory,
-    model_shape,
-    shape_from_config_json,
-    standby_utilization,
-)
+from basis_lite.model.shape import ModelShape, model_shape, shape_from_config_json
+from basis_lite.plan import build_plan, estimate_memory, header_gpu_memory, standby_utilization
 
 GPU_PRESETS = ["colab-t4-qwen2.5-1.5b-gsm8k", "gpu-8gb", "gpu-12gb", "gpu-24gb"]
 
@@ -144,7 +137,7 @@ def test_plan_cache_root_matches_models(tmp_path, monkeypatch):
     """plan.py reads the built-in model's config.json from the same cache folder as models.py, for every way of
     setting it (one torch-free cache_root, in config.py)."""
     from basis_lite.model.loading import cache_root
-    from basis_lite.plan import cache_root as _cache_root
+    from basis_lite.model.shape import cache_root as _cache_root
 
     for env in ({"BASIS_LITE_CACHE": str(tmp_path / "a")}, {"XDG_CACHE_HOME": str(tmp_path / "xdg")}, {}):
         for key in ("BASIS_LITE_CACHE", "XDG_CACHE_HOME"):

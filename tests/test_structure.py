@@ -42,6 +42,7 @@ LAYERS = [
         "data": ["__init__", "rows", "loading", "prompts", "sampler"],
         "rewards": ["scorer", "worker"],
         "runs": ["metrics"],
+        "model": ["shape"],
     }),
     ("models and engines", "model loading, engines, distributed, updates, checkpoints, export checks", {
         "": ["plan"],

@@ -521,7 +521,7 @@ def build_plain_llm(cfg, model_path: str, device_type: str, dtype: torch.dtype, 
     if device_type == "cpu":
         shape = None
         try:
-            from ..plan import shape_from_config_json
+            from ..model.shape import shape_from_config_json
 
             if os.path.exists(os.path.join(model_path, "config.json")):
                 shape = shape_from_config_json(os.path.join(model_path, "config.json"))
