@@ -91,6 +91,9 @@ class DataConfig:
                                     "prompts whose value sits near 0 or 1 carry little gradient. 0 = off, 1 = "
                                     "strongest (keeps 2%)", range=Range(0, 1))
     eval_size: int = setting(200, "held-out problems for eval (0 = no eval)", range=Range(0, 1_000_000))
+    eval_set: int = setting(0, "built-in tasks: the held-out set, 0 (development) or 1 (confirmation: drawn from "
+                            "problems set 0 never holds; the training split then leaves out set 1 only)",
+                            range=Range(0, 1))
     question_field: str = setting("question", "hf: datasets and files: the field holding the question", nonempty=True)
     answer_field: str = setting("answer", "hf: datasets and files: the field holding the answer (text after ####, or "
                                 "the last \\boxed{}, is the gold answer)", nonempty=True)
@@ -125,6 +128,9 @@ def _check_data(cfg: Config) -> None:
         if d.train_size == 0:
             raise ConfigError(f"data.train_size: must be >= 1 for the built-in task {name} (a count of generated "
                               f"problems; 0 means 'all' only for hub datasets and files), got 0")
+    elif d.eval_set != 0:
+        raise ConfigError(f"data.eval_set: {d.eval_set} draws a second held-out set of a built-in task "
+                          f"({', '.join(BUILTIN_TASKS)}); data.dataset={name} has one eval split: use data.eval_set=0")
 
 
 

@@ -64,6 +64,10 @@ which went to the eval split), it revisits the training questions it drew, in th
 of the training draw over the whole run (the log says how many distinct questions each such level has and how often
 each is seen); ``data.revisit: false`` leaves its share to the other levels instead (how runs drew before). The eval
 split never repeats a question.
+
+Two held-out sets: ``data.eval_set: 1`` draws a confirmation set from the questions that set 0 (the default, the
+development set) does not hold, with the same share per level, and the training split then leaves out set 1 only
+(set 0's questions may be trained on). A level too small for both sets leaves its share of set 1 to the others.
 """
 from __future__ import annotations
 
@@ -377,9 +381,14 @@ def _draw(task: _Task, levels: list[int], n: int, seed: int, tag: str, used: set
     return out
 
 
+def _eval_tag(eval_set: int) -> str:
+    """The stream tag of held-out set `eval_set` (set 0 keeps the draw it always had)."""
+    return "eval" if eval_set == 0 else f"eval{eval_set}"
+
+
 def load_builtin(cfg, split: str, name: str) -> list[Example]:
     """The `split` ("train" or "eval") examples of built-in task `name` for a DataConfig (data.levels, data.seed,
-    data.train_size, data.eval_size)."""
+    data.train_size, data.eval_size, data.eval_set)."""
     task = _task(name)
     levels = _check_levels(task, cfg.levels)
     fam_names = {n for lv in levels for n in task.levels[lv]}
@@ -399,9 +408,13 @@ def load_builtin(cfg, split: str, name: str) -> list[Example]:
     else:
         eval_n, train_n = n_eval, n_train
     used: set[str] = set()
-    eval_examples = _draw(task, levels, eval_n, cfg.seed, "eval", used)
+    eval_set = int(getattr(cfg, "eval_set", 0))
+    for k in range(eval_set):  # the earlier held-out sets: none of their questions is in this one
+        _draw(task, levels, eval_n, cfg.seed, _eval_tag(k), used)
+    eval_examples = _draw(task, levels, eval_n, cfg.seed, _eval_tag(eval_set), used)
     if split == "eval":
         return eval_examples
+    used = {ex.question for ex in eval_examples}  # training leaves out this held-out set only
     # revisiting only when the chosen levels hold enough questions in all (no scaling down above)
     revisit = bool(getattr(cfg, "revisit", True)) and n_eval + n_train <= capacity
     return _draw(task, levels, train_n, cfg.seed, "train", used, revisit=revisit)

@@ -95,6 +95,31 @@ def test_revisit_keeps_each_level_share_of_the_training_draw(caplog):
     assert [e.id for e in tr] == [e.id for e in load_examples(c, "train")]  # seeded
 
 
+def test_eval_set_1_shares_no_problem_with_set_0_and_training_leaves_it_out():
+    """data.eval_set: 1 (the confirmation set) on the default preset's data: as many problems per level as set 0,
+    none of them in set 0; set 0 is unchanged by the key, and the training split of a set-1 run never meets set 1."""
+    from collections import Counter
+
+    from basis_lite.config import load_config
+    from basis_lite.errors import ConfigError
+
+    base = dict(dataset="arithmetic", levels=[1, 3, 5], train_size=2000, eval_size=150)
+    dev, conf = load_examples(cfg(**base), "eval"), load_examples(cfg(**base, eval_set=1), "eval")
+    assert [e.id for e in dev] == [e.id for e in load_examples(cfg(**base, eval_set=0), "eval")]
+    assert Counter(e.meta["level"] for e in conf) == {1: 50, 3: 50, 5: 50}
+    assert len({e.question for e in conf}) == 150
+    assert not {e.question for e in dev} & {e.question for e in conf}
+    train = load_examples(cfg(**base, eval_set=1), "train")
+    assert not {e.question for e in train} & {e.question for e in conf}
+    # level 1 (100 questions) is split between the two sets: set 1's run trains on set 0's 50
+    assert {e.question for e in train if e.meta["level"] == 1} == {e.question for e in dev if e.meta["level"] == 1}
+    assert load_config("smoke", ["data.eval_set=1"]).data.eval_set == 1
+    with pytest.raises(ConfigError, match=r"data\.eval_set"):
+        load_config("smoke", ["data.eval_set=2"])
+    with pytest.raises(ConfigError, match=r"data\.eval_set: 1 .* one eval split"):
+        load_config("smoke", ["data.dataset=rows.jsonl", "data.eval_set=1"])
+
+
 def test_revisit_off_gives_the_old_crowded_out_draw_and_changes_nothing_where_nothing_runs_out():
     from collections import Counter
 
