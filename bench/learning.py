@@ -1,6 +1,10 @@
 """Learning speed on the CPU: held-out accuracy against wall-clock for BASIS (one rollout per prompt), GRPO (8) and
 REINFORCE++ (one), with BASIS's offline prior pass counted in its clock.
 
+New comparisons run with bench/compare.py (every arm x seed on one commit, each run's raw files kept, every table
+rebuilt by bench/report.py); this script stays for the results under bench/results/learning/ and the EAPO arms.
+The arms of both are bench/lib/arms.py's table.
+
 What it measures
 ----------------
 Every arm trains the same preset (default ``cpu-smollm2-arith``: SmolLM2-135M-Instruct on built-in arithmetic) for
@@ -152,6 +156,8 @@ if str(ROOT) not in sys.path:
 # the arms train in their own processes; the driver reads configs (yaml) and metrics, and imports torch only for the
 # machine record (its version and thread count)
 from basis_lite.config import ConfigError, load_config  # noqa: E402
+from bench.lib.arms import ARMS as ARM_TABLE  # noqa: E402
+from bench.lib.arms import EAPO_ARMS, arm_overrides, use_cold_cache  # noqa: E402
 from bench.lib.curves import first_point_reaching, read_run  # noqa: E402
 from bench.lib.paths import results_dir, shown  # noqa: E402
 from bench.lib.provenance import flags_line, loadavg, machine_record  # noqa: E402
@@ -160,31 +166,9 @@ from bench.lib.report import fmt_seconds, markdown_table, write_json  # noqa: E4
 DEFAULT_ARMS = ("basis", "basis_prior", "reinforce_pp", "grpo8")  # --arms picks the others
 PROBE_ARMS = ("basis_probe", "rloo2", "poise", "poise_wide")
 MIX_ARMS = ("basis_mix", "basis_value", "basis_raw", "grpo8_wide")  # issue 22
-EAPO_ARMS = ("eapo_prior", "hard", "hard_eapo")
 ARMS = DEFAULT_ARMS + PROBE_ARMS + MIX_ARMS + EAPO_ARMS
-GROUP = 8  # grpo8's rollouts per prompt
-COLORS = {"basis": "tab:blue", "basis_prior": "tab:green", "reinforce_pp": "tab:orange", "grpo8": "tab:red",
-          "basis_probe": "tab:cyan", "rloo2": "tab:gray", "poise": "tab:purple", "poise_wide": "tab:pink",
-          "eapo_prior": "tab:olive", "hard": "tab:brown", "hard_eapo": "tab:cyan", "basis_mix": "navy",
-          "basis_value": "teal", "basis_raw": "darkgoldenrod", "grpo8_wide": "darkred"}
-DESCRIPTIONS = {
-    "basis": "BASIS as shipped (advantages / batch std), 1 rollout/prompt, no prior",
-    "basis_prior": "BASIS, 1 rollout/prompt, offline prior (cold, counted in the clock)",
-    "reinforce_pp": "REINFORCE++, 1 rollout/prompt",
-    "grpo8": f"GRPO, {GROUP} rollouts/prompt",
-    "eapo_prior": "BASIS on the preset's levels: the EAPO prior adapter",
-    "hard": "BASIS on the hard levels, no injection",
-    "hard_eapo": "BASIS on the hard levels, EAPO injection from the prior adapter",
-    "basis_probe": "BASIS with the online prompt probe as its prior, 1 rollout/prompt",
-    "rloo2": "RLOO, 2 rollouts/prompt, half the prompts",
-    "poise": "POISE, 2 rollouts/prompt, half the prompts",
-    "poise_wide": "POISE, 2 rollouts/prompt, all the prompts (2x the rollouts per step)",
-    "basis_mix": "BASIS mix (LOO mean, pooling, probe prior, value tracker; weights from earlier batches)",
-    "basis_value": "BASIS, prompts selected by tracked value (data.value_sampling=1)",
-    "basis_raw": "BASIS with its advantages not divided by the batch std (estimator.normalize=never, the default "
-                 "before issue 22)",
-    "grpo8_wide": f"GRPO, {GROUP} rollouts/prompt, all the prompts ({GROUP}x the rollouts per step)",
-}
+COLORS = {a: ARM_TABLE[a].color for a in ARMS}
+DESCRIPTIONS = {a: ARM_TABLE[a].description for a in ARMS}
 # paired differences by seed: arm -> the arm it is compared with
 PAIR_BASE = {"basis": "reinforce_pp", "basis_prior": "reinforce_pp", "grpo8": "reinforce_pp",
              "basis_probe": "reinforce_pp", "rloo2": "reinforce_pp", "poise": "reinforce_pp",
@@ -214,59 +198,6 @@ def _arg_path(path) -> str:
         return str(p.relative_to(ROOT))
     except ValueError:
         return str(p)
-
-
-def arm_overrides(arm: str, batch_size: int, prior_samples: int, hard_levels: list[int] | None = None,
-                  eapo_prior: str = "") -> list[str]:
-    """The estimator (and, for the EAPO arms, data and eapo) settings of one arm (applied last: they win over
-    --set)."""
-    one = ["estimator.name=basis", "estimator.rollouts_per_prompt=1", "estimator.prior_samples=0",
-           f"train.batch_size={batch_size}"]
-    if arm == "eapo_prior":
-        return one
-    if arm == "hard":
-        return one + [f"data.levels={hard_levels}"]
-    if arm == "hard_eapo":
-        return one + [f"data.levels={hard_levels}", f"eapo.prior_adapter={eapo_prior}"]
-    if arm == "basis":
-        return ["estimator.name=basis", "estimator.rollouts_per_prompt=1", "estimator.prior_samples=0",
-                f"train.batch_size={batch_size}"]
-    if arm == "basis_prior":
-        return ["estimator.name=basis", "estimator.rollouts_per_prompt=1", f"estimator.prior_samples={prior_samples}",
-                f"train.batch_size={batch_size}"]
-    if arm == "reinforce_pp":
-        return ["estimator.name=reinforce_pp", "estimator.rollouts_per_prompt=1", "estimator.prior_samples=0",
-                f"train.batch_size={batch_size}"]
-    if arm == "basis_probe":
-        return ["estimator.name=basis_probe", "estimator.rollouts_per_prompt=1", "estimator.prior_samples=0",
-                f"train.batch_size={batch_size}"]
-    if arm in ("poise", "rloo2"):
-        if batch_size % 2:
-            raise ConfigError(f"arm {arm}: train.batch_size={batch_size} is odd; it runs B/2 prompts x 2 rollouts "
-                              f"to spend the same rollouts per step as the others; pass --set train.batch_size=<even>")
-        name = "poise" if arm == "poise" else "rloo"
-        return [f"estimator.name={name}", "estimator.rollouts_per_prompt=2", "estimator.prior_samples=0",
-                f"train.batch_size={batch_size // 2}"]
-    if arm == "basis_mix":
-        return one + ["estimator.options={mix: true}"]
-    if arm == "basis_value":
-        return one + ["data.value_sampling=1.0"]
-    if arm == "basis_raw":
-        return one + ["estimator.normalize=never"]
-    if arm == "grpo8_wide":  # the BASIS paper's comparison: the same prompts per step, 8 rollouts each
-        return ["estimator.name=grpo", f"estimator.rollouts_per_prompt={GROUP}", "estimator.prior_samples=0",
-                f"train.batch_size={batch_size}"]
-    if arm == "poise_wide":
-        return ["estimator.name=poise", "estimator.rollouts_per_prompt=2", "estimator.prior_samples=0",
-                f"train.batch_size={batch_size}"]
-    if arm == "grpo8":
-        if batch_size % GROUP:
-            raise ConfigError(f"arm grpo8: train.batch_size={batch_size} is not a multiple of {GROUP}; every arm "
-                              f"spends the same rollouts per step, so grpo8 needs B/{GROUP} prompts x {GROUP}; pass "
-                              f"--set train.batch_size=<a multiple of {GROUP}>")
-        return ["estimator.name=grpo", f"estimator.rollouts_per_prompt={GROUP}", "estimator.prior_samples=0",
-                f"train.batch_size={batch_size // GROUP}"]
-    raise ConfigError(f"--arms: unknown arm {arm!r}; choose from {', '.join(ARMS)}")
 
 
 def plan_arms(args) -> tuple[dict, dict]:
@@ -307,24 +238,11 @@ def worker(spec_path: str) -> int:
 
     spec = json.loads(Path(spec_path).read_text())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    from basis_lite.model.loading import resolve_model_path
     from basis_lite.trainer import train
 
     cfg = load_config(spec["preset"], spec["overrides"])
-    prior_cache = spec.get("prior_cache")
-    if prior_cache:
-        # the trainer keeps priors under cache_root(model.cache_dir), where the built-in model lives too: give this
-        # run its own cache folder, with a link to the model already converted in the shared one
-        pc = Path(prior_cache)
-        pc.mkdir(parents=True, exist_ok=True)
-        if cfg.model.name.startswith("builtin:"):
-            src = Path(resolve_model_path(cfg.model.name, cfg.model.cache_dir)).resolve()  # converts once, shared
-            link = pc / src.name
-            if not link.exists():
-                if link.is_symlink():
-                    link.unlink()
-                link.symlink_to(src, target_is_directory=True)
-        cfg.model.cache_dir = str(pc)
+    if spec.get("prior_cache"):
+        use_cold_cache(cfg, spec["prior_cache"])
     summary = train(cfg, spec["run_dir"], resume=spec["resume"], progress=spec["progress"])
     print(json.dumps({"prior_seconds": summary.get("prior_seconds"), "prior_cached": summary.get("prior_cached"),
                       "seconds": summary.get("seconds")}))

@@ -133,5 +133,5 @@ def test_learning_arms_for_the_probe_estimators():
     assert {a: p["rollouts_per_step"] for a, p in plans.items()} == {"basis_probe": 8, "rloo2": 8, "poise": 8,
                                                                      "poise_wide": 16}
     assert lm.parse_args(["--preset", "smoke"]).arms == list(lm.DEFAULT_ARMS)
-    with pytest.raises(lm.ConfigError, match="odd"):
+    with pytest.raises(lm.ConfigError, match="not a multiple of 2"):
         lm.arm_overrides("poise", 7, 4)
