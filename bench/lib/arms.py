@@ -86,10 +86,11 @@ def arm_overrides(name: str, batch_size: int, prior_samples: int = 4, hard_level
     if arm is None:
         raise ConfigError(f"--arms: unknown arm {name!r}; choose from {', '.join(ARMS)}")
     k = prior_samples if arm.prior_samples is None else arm.prior_samples
-    out = [f"train.batch_size={prompts_per_step(arm, batch_size)}"]
-    if not arm.external:
-        out = [f"estimator.name={arm.estimator}", f"estimator.rollouts_per_prompt={arm.group}",
-               f"estimator.prior_samples={k}"] + out
+    if arm.external:  # the other library reads B rollouts per step from train.batch_size and groups them itself
+        prompts_per_step(arm, batch_size)
+        return list(arm.settings)
+    out = [f"estimator.name={arm.estimator}", f"estimator.rollouts_per_prompt={arm.group}",
+           f"estimator.prior_samples={k}", f"train.batch_size={prompts_per_step(arm, batch_size)}"]
     if name in ("hard", "hard_eapo"):
         out.append(f"data.levels={hard_levels}")
     if name == "hard_eapo":

@@ -1,18 +1,30 @@
-"""Held-out accuracy curves: a run's eval points read from its metrics.jsonl, and the first point at a target."""
+"""Held-out accuracy curves: a run's eval points read from its metrics.jsonl (or the metrics.jsonl.gz a comparison
+keeps), and the first point at a target."""
 from __future__ import annotations
 
+import gzip
+import shutil
+import tempfile
 from pathlib import Path
 
 from basis_lite.runs.metrics import FILE, read_metrics
 
 
 def read_run(run_dir: Path) -> tuple[dict[int, dict], list[dict]]:
-    """(step records by step, eval records sorted by step) of a run folder's metrics.jsonl (empty when there is
-    none); of two eval lines of one step and kind, the later wins."""
+    """(step records by step, eval records sorted by step) of a run folder's metrics.jsonl, else its
+    metrics.jsonl.gz (empty when it has neither); of two eval lines of one step and kind, the later wins."""
     path = Path(run_dir) / FILE
-    if not path.exists():
+    packed = path.with_name(FILE + ".gz")
+    if path.exists():
+        steps, evals, _skipped = read_metrics(path)
+    elif packed.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            plain = Path(tmp) / FILE
+            with gzip.open(packed, "rb") as src, open(plain, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            steps, evals, _skipped = read_metrics(plain)
+    else:
         return {}, []
-    steps, evals, _skipped = read_metrics(path)
     by_key = {(int(e["step"]), e.get("event") == "eval_final"): e for e in evals}
     return {int(s["step"]): s for s in steps}, [by_key[k] for k in sorted(by_key)]
 

@@ -71,17 +71,25 @@ def cpu_info() -> dict:
             "cpu_flags": parse_cpu_flags(text), "cores": os.cpu_count(), "cpus_usable": usable}
 
 
-def _git(*args: str) -> str:
+def _git(*args: str, repo=REPO) -> str:
     try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.strip()
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=20).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
 
-def git_state() -> dict:
-    """git_commit ("unknown" outside a checkout) and git_dirty (tracked files changed)."""
-    return {"git_commit": _git("rev-parse", "HEAD") or "unknown",
-            "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+def git_state(repo=REPO) -> dict:
+    """git_commit ("unknown" outside a checkout) and git_dirty (tracked files changed) of `repo` (this one)."""
+    return {"git_commit": _git("rev-parse", "HEAD", repo=repo) or "unknown",
+            "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no", repo=repo))}
+
+
+def git_diff_sha256(repo=REPO) -> str:
+    """sha256 of `git diff HEAD` (the uncommitted changes to tracked files): runs of a dirty tree with the same
+    value ran the same code."""
+    import hashlib
+
+    return hashlib.sha256(_git("diff", "HEAD", repo=repo).encode()).hexdigest()
 
 
 def loadavg() -> list[float] | None:

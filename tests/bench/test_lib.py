@@ -3,6 +3,7 @@ forwards and the fast engine's decoder computed), the machine record's fields, t
 report helpers, the eval-curve reader and the value-error bookkeeping. No timing is asserted."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -336,6 +337,11 @@ def test_read_run(tmp_path):
     assert [(e["step"], e["event"], e["eval_accuracy"]) for e in evals] == [
         (0, "eval", 0.1), (1, "eval", 0.3), (1, "eval_final", 0.4)]
     assert curves.read_run(tmp_path / "none") == ({}, [])
+    packed = tmp_path / "packed"  # a comparison keeps metrics.jsonl gzipped: read the same
+    packed.mkdir()
+    with gzip.open(packed / "metrics.jsonl.gz", "wb") as f:
+        f.write((tmp_path / "metrics.jsonl").read_bytes())
+    assert curves.read_run(packed) == (steps, evals)
 
 
 # ---- value errors --------------------------------------------------------------------------------------------------
