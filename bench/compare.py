@@ -12,7 +12,9 @@ the order given rotated by one more place per seed (seed 1 of 0-7 starts with th
 the machine falls on every arm alike. Each run is a fresh Python process (`--worker`) training the preset with
 train.seed = the seed, the comparison's --set items and the arm's settings; the driver waits for it with os.wait4
 and takes the run's peak memory from the kernel's record of that process (ru_maxrss: its high-water mark, or the
-larger of any child it waited for), not from the trainer's own log.
+larger of any child it waited for), not from the trainer's own log; it also reads the child's VmRSS every 50 ms
+(peak_rss_sampled_mb), and where that exceeds ru_maxrss by more than 5 % the trainer cleared the kernel's
+high-water mark during the run (bench/report.py says so).
 
 One commit: the working tree must hold no uncommitted change to a tracked file (`--allow-dirty` runs anyway and
 marks every run dirty, with the sha256 of `git diff HEAD`), and a comparison folder started on one commit refuses to
@@ -46,6 +48,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -291,23 +294,48 @@ def is_done(result_dir: Path) -> bool:
     return (result_dir / SUMMARY).is_file()
 
 
-def run_child(cmd: list[str], log_path: Path) -> tuple[int, float, float]:
-    """Run `cmd` (output to `log_path`) and wait for it with os.wait4: (exit code, wall seconds, peak RSS in MB from
-    the kernel's rusage of that process: ru_maxrss, KiB on Linux)."""
+def _vm_rss_mb(pid: int) -> float:
+    """The resident set of process `pid` now (MB, VmRSS of /proc/<pid>/status); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
+def run_child(cmd: list[str], log_path: Path) -> dict:
+    """Run `cmd` (output to `log_path`) and wait for it with os.wait4: {returncode, wall_s, peak_rss_mb: the
+    kernel's rusage of that process (ru_maxrss, KiB on Linux), peak_rss_sampled_mb: its VmRSS read every 50 ms by
+    this process, a check that holds even where the child resets its own high-water mark}."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.time()
+    sampled, stop = [0.0], threading.Event()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+        def sample():
+            while not stop.wait(0.05):
+                sampled[0] = max(sampled[0], _vm_rss_mb(proc.pid))
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
         try:
             _, status, usage = os.wait4(proc.pid, 0)
         except BaseException:
             proc.terminate()
             proc.wait()
             raise
+        finally:
+            stop.set()
+            thread.join()
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
-    return proc.returncode, time.time() - t0, usage.ru_maxrss / 1024
+    return {"returncode": proc.returncode, "wall_s": time.time() - t0, "peak_rss_mb": usage.ru_maxrss / 1024,
+            "peak_rss_sampled_mb": sampled[0]}
 
 
 def _finite(x) -> float | None:
@@ -370,6 +398,7 @@ def summarize(spec: dict, run_dir: Path, info: dict, measured: dict) -> dict:
         "wall_s": round(measured["wall_s"], 3), **costs, "cost_source": source,
         "peak_rss_mb": round(measured["peak_rss_mb"], 1),
         "peak_rss_source": "ru_maxrss of the training process (os.wait4 in the driver)",
+        "peak_rss_sampled_mb": round(measured.get("peak_rss_sampled_mb", 0.0), 1),
         "explained_variance_mean": sum(evs) / len(evs) if evs else None, "explained_variance_steps": len(evs),
         **measured["machine"], "torch_threads": info.get("torch_threads"),
         "loadavg_before": measured["loadavg_before"], "loadavg_after": measured["loadavg_after"],
@@ -406,9 +435,10 @@ def run_one(spec: dict, folder: Path, work: Path, tree: dict, machine: dict, kee
     print(f"[{arm} seed {seed}] training: {spec['prompts_per_step']} prompts x {spec['rollouts_per_prompt']} "
           f"rollouts, {spec['steps']} steps (log {shown(work_dir / 'log.txt')})", flush=True)
     load_before = loadavg()
-    rc, wall, peak = run_child([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
-                               work_dir / "log.txt")
+    child = run_child([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
+                      work_dir / "log.txt")
     load_after = loadavg()
+    rc, wall, peak = child["returncode"], child["wall_s"], child["peak_rss_mb"]
     run_dir = work_dir / "run"
     if rc != 0 or not (work_dir / "worker.json").exists() or not (run_dir / "metrics.jsonl").exists():
         tail = (work_dir / "log.txt").read_text(errors="replace")[-3000:]
@@ -416,7 +446,7 @@ def run_one(spec: dict, folder: Path, work: Path, tree: dict, machine: dict, kee
               f"{shown(work_dir / 'log.txt')}:\n{tail}", file=sys.stderr, flush=True)
         return False
     info = json.loads((work_dir / "worker.json").read_text())
-    summary = summarize(spec, run_dir, info, {"tree": tree, "machine": machine, "wall_s": wall, "peak_rss_mb": peak,
+    summary = summarize(spec, run_dir, info, {"tree": tree, "machine": machine, **child,
                                               "loadavg_before": load_before, "loadavg_after": load_after})
     keep_run(run_dir, result_dir, summary)
     if not keep_work:

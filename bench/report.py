@@ -243,9 +243,11 @@ def analyze(runs: dict, targets=TARGETS) -> dict:
     front_tokens = pareto({a: (p["cost_tokens"], p["accuracy_after"]) for a, p in per_arm.items()
                            if p["cost_tokens"] is not None})
     every = [r["summary"] for rs in runs.values() for r in rs.values()]
+    understated = [f"{s['arm']} seed {s['seed']}" for s in every
+                   if (s.get("peak_rss_sampled_mb") or 0) > 1.05 * (s.get("peak_rss_mb") or 0)]
     return {"arms": per_arm, "order": arms, "paired": paired, "targets": [f"{t:g}" for t in targets],
             "pareto": {"clock": front_clock, "tokens": front_tokens},
-            "commits": sorted({s["commit"] for s in every}), "dirty": any(s.get("dirty") for s in every),
+            "rss_understated": understated, "commits": sorted({s["commit"] for s in every}), "dirty": any(s.get("dirty") for s in every),
             "machines": sorted({flags_line(s) + f"; torch {s.get('torch')}, {s.get('torch_threads')} threads"
                                 for s in every}),
             "load_1min": {k: [min(v), max(v)] if v else None for k, v in (
@@ -371,6 +373,10 @@ def markdown(name: str, rep: dict) -> str:
     lo = rep["load_1min"]
     lines += ["", f"1-minute load average at the start of the runs: {lo['before']}, at their end: {lo['after']} "
               "(lowest, highest); the clocks are comparable only on an otherwise idle machine."]
+    if rep["rss_understated"]:
+        lines += ["", "Peak RSS understated: in " + ", ".join(rep["rss_understated"]) + " the driver's own 50 ms "
+                  "readings of the process's resident set (peak_rss_sampled_mb) exceed its ru_maxrss by more than "
+                  "5 %: the trainer cleared the kernel's high-water mark during the run."]
     if rep["cost_source"]:
         lines += ["", "Counters not read from the trainer's own: " + "; ".join(rep["cost_source"]) + "."]
     return "\n".join(lines) + "\n"

@@ -151,6 +151,7 @@ def test_every_run_leaves_its_summary_and_metrics(smoke):
             assert s["wall_s"] > s["clock_s"] + s["eval_s"] + s["load_s"] > 0
             assert s["eval_s"] > 0 and s["load_s"] > 0
             assert 100 < s["peak_rss_mb"] < 8000 and "ru_maxrss" in s["peak_rss_source"]
+            assert 100 < s["peak_rss_sampled_mb"] < 8000  # read from outside every 50 ms
             assert s["torch_threads"] == 1 and "avx2" in s["cpu_flags"] and len(s["loadavg_before"]) == 3
             with gzip.open(folder / "runs" / arm / f"seed{seed}" / "metrics.jsonl.gz", "rt") as f:
                 lines = [json.loads(x) for x in f]

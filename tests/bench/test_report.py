@@ -43,7 +43,8 @@ DIFFS = {"reinforce_pp": [0.05, 0.02, 0.01, 0.06, 0.05],  # mean 0.038, sd 0.021
 
 
 def _write_run(cmp, tmp: Path, folder: Path, arm: str, seed: int, accs: list[float], reference=(0, 0.0)):
-    """A finished 2-step run (eval every step, 3 s and 100 tokens per step) of `arm`, kept in `folder`."""
+    """A finished 2-step run (eval every step, 3 s and 100 tokens per step) of `arm`, kept in `folder`; a run with
+    reference samples also gets an RSS reading above its ru_maxrss."""
     run_dir = tmp / "src" / arm / f"seed{seed}"
     run_dir.mkdir(parents=True)
     lines = [{"step": 0, "event": "eval", "eval_accuracy": accs[0], "eval_n": 150, "eval_accuracy_level1": accs[0]}]
@@ -59,6 +60,7 @@ def _write_run(cmp, tmp: Path, folder: Path, arm: str, seed: int, accs: list[flo
             "overrides": [], "external": "", "prior_samples": 8 if reference[0] else 0}
     info = {"eval_s": 1.0, "load_s": 2.0, "torch_threads": 2, "train_summary": {"prior_seconds": reference[1]}}
     measured = {"tree": {"commit": "c" * 40, "dirty": False}, "wall_s": 60.0, "peak_rss_mb": 1500.0 + seed,
+                "peak_rss_sampled_mb": 1490.0 + (600.0 if reference[0] else 0.0),
                 "machine": {"cpu_model": "Test CPU", "cores": 2, "cpu_flags": {"avx2": True}, "torch": "2.x"},
                 "loadavg_before": [0.5, 0.4, 0.3], "loadavg_after": [1.5, 0.6, 0.4]}
     summary = cmp.summarize(spec, run_dir, info, measured)
@@ -106,6 +108,8 @@ def test_paired_intervals_against_hand_values(rp, folder):
     assert a["accuracy_se"] == pytest.approx(0.0223607 / 5 ** 0.5, abs=1e-6)  # sd of 0.60 0.62 0.58 0.64 0.61
     assert a["accuracy_after_by_level"] == {"1": pytest.approx(0.61)} and a["peak_rss_mb_max"] == 1504.0
     assert a["explained_variance_mean"] == pytest.approx(0.15) and a["trained_tokens"] == 900
+    # the driver's own RSS readings above ru_maxrss (here astar's, 2090 against 1500 MB): the kernel's mark was reset
+    assert rep["rss_understated"] == ["astar seed 0"]
 
 
 def test_curves_targets_and_pareto(rp, folder):
