@@ -12,7 +12,7 @@ the order given rotated by one more place per seed (seed 1 of 0-7 starts with th
 the machine falls on every arm alike. Each run is a fresh Python process (`--worker`) training the preset with
 train.seed = the seed, the comparison's --set items and the arm's settings; the driver waits for it with os.wait4
 and takes the run's peak memory from the kernel's record of that process (ru_maxrss: its high-water mark, or the
-larger of any child it waited for), not from the trainer's own log; it also reads the child's VmRSS every 50 ms
+larger of any child it waited for), not from the trainer's own log; it also reads the child's resident set every 50 ms
 (peak_rss_sampled_mb), and where that exceeds ru_maxrss by more than 5 % the trainer cleared the kernel's
 high-water mark during the run (bench/report.py says so).
 
@@ -65,7 +65,7 @@ from bench.lib.arms import ARMS, arm_overrides, check_estimators, prompts_per_st
 from bench.lib.curves import read_run  # noqa: E402
 from bench.lib.paths import REPO, shown  # noqa: E402
 from bench.lib.provenance import git_diff_sha256, git_state, loadavg, machine_record  # noqa: E402
-from bench.lib.recorders import patched, timer  # noqa: E402
+from bench.lib.recorders import patched, rss_mb, timer  # noqa: E402
 from bench.lib.report import write_json  # noqa: E402
 from bench.vs_trl import INSTALL_HINT, trl_config_kwargs, worker_trl  # noqa: E402
 
@@ -294,21 +294,9 @@ def is_done(result_dir: Path) -> bool:
     return (result_dir / SUMMARY).is_file()
 
 
-def _vm_rss_mb(pid: int) -> float:
-    """The resident set of process `pid` now (MB, VmRSS of /proc/<pid>/status); 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0.0
-
-
 def run_child(cmd: list[str], log_path: Path) -> dict:
     """Run `cmd` (output to `log_path`) and wait for it with os.wait4: {returncode, wall_s, peak_rss_mb: the
-    kernel's rusage of that process (ru_maxrss, KiB on Linux), peak_rss_sampled_mb: its VmRSS read every 50 ms by
+    kernel's rusage of that process (ru_maxrss, KiB on Linux), peak_rss_sampled_mb: its resident set read every 50 ms by
     this process, a check that holds even where the child resets its own high-water mark}."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -320,7 +308,7 @@ def run_child(cmd: list[str], log_path: Path) -> dict:
 
         def sample():
             while not stop.wait(0.05):
-                sampled[0] = max(sampled[0], _vm_rss_mb(proc.pid))
+                sampled[0] = max(sampled[0], rss_mb(proc.pid))
 
         thread = threading.Thread(target=sample, daemon=True)
         thread.start()

@@ -15,12 +15,13 @@ from bench.lib.flops import Shape, causal_pairs, fast_generation_flops, forward_
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def rss_mb() -> float:
-    """This process's resident memory now (MB, /proc/self/statm; 0 where there is none)."""
+def rss_mb(pid: int | str = "self") -> float:
+    """The resident memory of process `pid` (this one by default) now (MB, /proc/<pid>/statm; 0 where there is none,
+    or once that process is gone)."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * PAGE / 2**20
-    except OSError:
+    except (OSError, ValueError, IndexError):
         return 0.0
 
 

@@ -225,6 +225,10 @@ def test_patched_and_timer_restore_the_original():
 
 def test_rss_is_read():
     assert recorders.rss_mb() > 10
+    assert recorders.rss_mb(os.getpid()) == pytest.approx(recorders.rss_mb(), rel=0.2)  # another process's, by pid
+    child = subprocess.Popen(["sleep", "0"])
+    child.wait()
+    assert recorders.rss_mb(child.pid) == 0.0  # a process that is gone
     peak = recorders.peak_rss_mb()
     assert peak["peak_rss_mb"] >= recorders.rss_mb() - 1 and peak["peak_rss_mb"] == round(max(
         v for k, v in peak.items() if k != "peak_rss_mb"), 1)
