@@ -297,7 +297,7 @@ class TrainConfig:
     loss: str = setting("ppo_clip", loss_help, choices=loss_names)
     loss_aggregation: str = setting("token-mean", aggregation_help, choices=_aggregations_with_trl, trl="loss_type")
     importance_sampling_level: str = setting("token", "the importance ratio per token | per sequence (GSPO: exp of the "
-                                             "mean log-ratio of the sequence); ppo_clip and cispo",
+                                             "mean log-ratio of the sequence); ppo_clip, cispo and sapo",
                                              choices=LEVELS, trl="importance_sampling_level")
     clip_low: float = setting(0.2, "PPO clip: the ratio's lower bound is 1 - clip_low (TRL: epsilon)",
                               range=Range(0, 1, hi_open=True), trl="epsilon")
@@ -305,6 +305,18 @@ class TrainConfig:
                                range=NONNEG, trl="epsilon_high")
     bpo_cap: float = setting(5.0, "BPO: cap C on the complementary-probability weight", range=POS)
     bpo_eps: float = setting(0.1, "BPO: smoothing epsilon of the weight (1 + eps - mu) / (1 + eps - pi)", range=POS)
+    sapo_temperature_pos: float = setting(1.0, "SAPO: gate temperature for tokens with a positive advantage",
+                                          range=POS, trl="sapo_temperature_pos")
+    sapo_temperature_neg: float = setting(1.05, "SAPO: gate temperature for tokens with a non-positive advantage",
+                                          range=POS, trl="sapo_temperature_neg")
+    vespo_k_pos: float = setting(2.0, "VESPO: power k of the gamma weight where A >= 0", range=NONNEG,
+                                 trl="vespo_k_pos")
+    vespo_lambda_pos: float = setting(3.0, "VESPO: decay lambda of the gamma weight where A >= 0", range=POS,
+                                      trl="vespo_lambda_pos")
+    vespo_k_neg: float = setting(3.0, "VESPO: power k of the gamma weight where A < 0", range=NONNEG,
+                                 trl="vespo_k_neg")
+    vespo_lambda_neg: float = setting(2.0, "VESPO: decay lambda of the gamma weight where A < 0", range=POS,
+                                      trl="vespo_lambda_neg")
     kl_coef: float = setting(0.0, "k3 KL to the reference (the base, adapter disabled); 0 = off, no extra forward "
                              "(TRL: beta)", range=NONNEG, trl="beta")
     ppo_epochs: int = setting(1, "optimizer steps (passes) over each batch of rollouts; > 1 reuses them and the clip "

@@ -1,8 +1,11 @@
 """Policy losses and loss aggregations by name: the torch-free table that the config reads. Imports no torch.
 
 A policy loss turns per-token log-probs into a per-token loss l_{i,t}; an aggregation reduces l over the step to
-the scalar that is differentiated. ``train.loss`` names the first, ``train.loss_aggregation`` the second (TRL's
-``loss_type``), ``train.importance_sampling_level`` says whether the ratio is per token or per sequence (GSPO).
+the scalar that is differentiated. ``train.loss`` names the first, ``train.loss_aggregation`` the second,
+``train.importance_sampling_level`` says whether the ratio is per token or per sequence (GSPO). TRL's
+``loss_type`` names a pair: `trl_loss_types` maps each of its names to (loss, aggregation) here, and
+``train.loss_aggregation`` accepts them (grpo, bnpo, dr_grpo, dapo, luspo name an aggregation of ppo_clip; cispo,
+sapo, vespo a policy loss with the aggregation TRL gives it).
 The functions live in ``basis_lite.losses.policy`` (torch), bound to these names by the ``@policy_loss`` and
 ``@aggregation`` decorators next to each function; the trainer looks them up by name and never branches on it.
 TRL's ``loss_type`` names are read as ours once, when the config loads (``check_loss_config``); the config's help
@@ -14,21 +17,22 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-__all__ = ["LossSpec", "LOSSES", "AGGREGATIONS", "LEVELS", "loss_names", "aggregation_names", "check_loss_config",
-           "loss_help", "aggregation_help"]
+__all__ = ["LossSpec", "LOSSES", "AGGREGATIONS", "LEVELS", "trl_loss_types", "loss_names", "aggregation_names",
+           "check_loss_config", "loss_help", "aggregation_help"]
 
 
 @dataclass(frozen=True)
 class LossSpec:
-    """A policy loss or an aggregation: its name here, TRL's name for it ('' = none), the formula it computes,
-    a few words for the config's help (``summary``), and (policy losses) the importance-sampling levels it
-    accepts."""
+    """A policy loss or an aggregation: its name here, TRL's loss_type for it ('' = none), the formula it computes,
+    a few words for the config's help (``summary``), and (policy losses) the importance-sampling levels it accepts
+    and the aggregation TRL's loss_type pairs it with."""
 
     name: str
     trl: str
     formula: str
     levels: tuple = ("token", "sequence")
     summary: str = ""
+    aggregation: str = "token-mean"
 
 
 LEVELS = ("token", "sequence")
@@ -41,6 +45,13 @@ LOSSES = {s.name: s for s in (
              summary="complementary-probability weight"),
     LossSpec("cispo", "cispo", "-sg[min(r, 1 + clip_high)] A lp (clipped-weight REINFORCE; r as in ppo_clip)",
              summary="REINFORCE with the importance weight capped at 1 + clip_high, detached"),
+    LossSpec("sapo", "sapo", "-(4 / tau) sigmoid(tau (r - 1)) A; tau = sapo_temperature_pos where A > 0, else "
+                             "sapo_temperature_neg (a soft gate instead of the clip; r as in ppo_clip)",
+             summary="a sigmoid gate on the ratio instead of the clip", aggregation="seq-mean-token-mean"),
+    LossSpec("vespo", "vespo", "-sg[phi(w)] A lp; w = exp(sum_t (lp - old)) of the sequence, phi(w) = "
+                               "exp(lambda + k log w - lambda w), (k, lambda) = (vespo_k_pos, vespo_lambda_pos) where "
+                               "A >= 0, else the _neg pair", levels=("token",),
+             summary="REINFORCE weighted by a gamma function of the sequence ratio"),
 )}
 
 AGGREGATIONS = {s.name: s for s in (
@@ -48,7 +59,15 @@ AGGREGATIONS = {s.name: s for s in (
     LossSpec("seq-mean-token-mean", "grpo", "sum_i [sum_t m l / |y_i|] / S, S = sequences of the whole step"),
     LossSpec("local-token-mean", "bnpo", "each rank's sum_{i,t} m l / N_rank, averaged over the ranks"),
     LossSpec("seq-mean-token-sum-norm", "dr_grpo", "sum_{i,t} m l / (S * generation.max_new_tokens)"),
+    LossSpec("seq-mean-token-sum", "luspo", "sum_i [sum_t m l] / S, S = sequences of the whole step"),
 )}
+
+
+def trl_loss_types() -> dict:
+    """TRL's loss_type -> (train.loss, train.loss_aggregation), read from the tables now (rows added later count);
+    GSPO is importance_sampling_level: sequence on top."""
+    return {**{s.trl: ("ppo_clip", s.name) for s in AGGREGATIONS.values() if s.trl},
+            **{s.trl: (s.name, s.aggregation) for s in LOSSES.values() if s.trl}}
 
 
 def loss_names() -> tuple:
@@ -56,13 +75,9 @@ def loss_names() -> tuple:
 
 
 def aggregation_names(with_trl: bool = False) -> tuple:
-    """The aggregation names, and with `with_trl` every TRL loss_type name (cispo names a policy loss)."""
-    trl = tuple(s.trl for s in (*AGGREGATIONS.values(), *LOSSES.values()) if s.trl)
-    return tuple(AGGREGATIONS) + (trl if with_trl else ())
-
-
-# TRL's loss_type that names a policy loss (cispo) means that loss under this aggregation (TRL's dapo)
-TRL_LOSS_AGGREGATION = "token-mean"
+    """The aggregation names, and with `with_trl` every TRL loss_type name (cispo, sapo, vespo name policy
+    losses)."""
+    return tuple(AGGREGATIONS) + (tuple(trl_loss_types()) if with_trl else ())
 
 
 def loss_help() -> str:
@@ -75,7 +90,7 @@ def aggregation_help() -> str:
     """train.loss_aggregation's meaning: every aggregation with TRL's loss_type name, and TRL's names of losses."""
     aggs = " | ".join(s.name + (f" ({'TRL: ' if i == 0 else ''}{s.trl})" if s.trl else "")
                       for i, s in enumerate(AGGREGATIONS.values()))
-    losses = "".join(f", whose {s.trl} means train.loss={s.name} with {TRL_LOSS_AGGREGATION}"
+    losses = "".join(f", whose {s.trl} means train.loss={s.name} with {s.aggregation}"
                      for s in LOSSES.values() if s.trl)
     return f"how per-token losses become the step's loss: {aggs}; TRL: loss_type{losses}"
 
@@ -92,17 +107,18 @@ def canonical_aggregation(name: str) -> str:
 
 
 def check_loss_config(train) -> None:
-    """Check train.loss, train.loss_aggregation (TRL's loss_type names read as ours, in place: cispo
-    sets train.loss=cispo with token-mean) and train.importance_sampling_level together; ConfigError naming the key, the value and what is accepted."""
+    """Check train.loss, train.loss_aggregation (TRL's loss_type names read as ours, in place: sapo sets
+    train.loss=sapo with seq-mean-token-mean, as TRL aggregates it) and train.importance_sampling_level together;
+    ConfigError naming the key, the value and what is accepted."""
     if train.loss not in LOSSES:
         raise ConfigError(f"train.loss: {train.loss!r} is not accepted; choose one of {', '.join(LOSSES)}")
-    by_trl = {s.trl: s.name for s in LOSSES.values() if s.trl}
-    if train.loss_aggregation in by_trl:  # TRL's loss_type cispo: that policy loss, normalised as dapo
-        loss = by_trl[train.loss_aggregation]
-        if train.loss not in ("ppo_clip", loss):
+    by_trl = {s.trl: s for s in LOSSES.values() if s.trl}
+    if train.loss_aggregation in by_trl:  # TRL's loss_type cispo / sapo / vespo: that loss, aggregated as TRL does
+        spec = by_trl[train.loss_aggregation]
+        if train.loss not in ("ppo_clip", spec.name):
             raise ConfigError(f"train.loss_aggregation: {train.loss_aggregation!r} (TRL's loss_type) means "
-                              f"train.loss={loss}, but train.loss is {train.loss}; set one of them")
-        train.loss, train.loss_aggregation = loss, TRL_LOSS_AGGREGATION
+                              f"train.loss={spec.name}, but train.loss is {train.loss}; set one of them")
+        train.loss, train.loss_aggregation = spec.name, spec.aggregation
     train.loss_aggregation = canonical_aggregation(train.loss_aggregation)
     level = train.importance_sampling_level
     if level not in LEVELS:
@@ -111,5 +127,5 @@ def check_loss_config(train) -> None:
     accepted = LOSSES[train.loss].levels
     if level not in accepted:
         raise ConfigError(f"train.importance_sampling_level: {level!r} is not accepted with train.loss="
-                          f"{train.loss} (it has no importance ratio to average); use {' or '.join(accepted)}, or "
-                          f"train.loss ppo_clip or cispo")
+                          f"{train.loss}, which takes {' or '.join(accepted)}; use that level, or "
+                          f"train.loss {' or '.join(n for n, s in LOSSES.items() if level in s.levels)}")

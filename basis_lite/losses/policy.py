@@ -26,6 +26,7 @@ the torch-free table of losses/__init__.py, with one signature each:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -231,10 +232,18 @@ class LossOptions:
     bpo_eps: float = 0.1
     bpo_cap: float = 5.0
     importance_sampling_level: str = "token"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     @classmethod
     def from_train(cls, t) -> "LossOptions":
-        return cls(t.clip_low, t.clip_high, t.bpo_eps, t.bpo_cap, t.importance_sampling_level)
+        return cls(t.clip_low, t.clip_high, t.bpo_eps, t.bpo_cap, t.importance_sampling_level,
+                   t.sapo_temperature_pos, t.sapo_temperature_neg, t.vespo_k_pos, t.vespo_lambda_pos,
+                   t.vespo_k_neg, t.vespo_lambda_neg)
 
 
 @dataclass
@@ -334,6 +343,13 @@ def local_token_mean(per_token: Tensor, m: Tensor, norm: Normalizer) -> Tensor:
     return masked_mean(per_token, m, None if local is None else max(1.0, float(local)) * norm.num_ranks)
 
 
+@aggregation("seq-mean-token-sum")
+def seq_mean_token_sum(per_token: Tensor, m: Tensor, norm: Normalizer) -> Tensor:
+    """sum_i [sum_t m l] / S, S = sequences of the whole step or B (TRL: luspo)."""
+    seqs = float(norm.num_sequences) if norm.num_sequences is not None else float(per_token.shape[0])
+    return _masked_sum_rows(per_token, m).sum() / seqs
+
+
 @aggregation("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(per_token: Tensor, m: Tensor, norm: Normalizer) -> Tensor:
     """sum_{i,t} m l / (S * L), S = sequences of the whole step or B, L = max_completion_length (TRL: dr_grpo)."""
@@ -431,6 +447,57 @@ def cispo(b: PolicyBatch, o: LossOptions) -> tuple[Tensor, dict]:
         stats = _ratio_stats(ratio, torch.zeros_like(high), high, m)
     lp_safe = torch.where(m, b.logprobs, torch.zeros_like(b.logprobs))
     return -adv * weight * lp_safe, stats
+
+
+@policy_loss("sapo")
+def sapo(b: PolicyBatch, o: LossOptions) -> tuple[Tensor, dict]:
+    """SAPO (soft adaptive policy optimization; TRL loss_type "sapo"): a sigmoid gate on the ratio instead of the clip,
+
+        l_{i,t} = -(4 / tau) sigmoid(tau (r - 1)) A,   tau = sapo_temperature_pos where A > 0, else _neg
+
+    r from `importance_ratio` (token or sequence level). At r = 1 the gradient is REINFORCE's (-A d lp); far from 1
+    it fades smoothly instead of being cut. Stats: ratio_mean, ratio_max; clip_fraction is 0 (nothing is cut).
+    """
+    m = b.mask.bool()
+    adv = _broadcast_adv(b.advantages, b.logprobs)
+    ratio = importance_ratio(b.logprobs, b.old_logprobs, m, o.importance_sampling_level)
+    tau = torch.where(adv > 0, torch.full_like(adv, o.sapo_temperature_pos),
+                      torch.full_like(adv, o.sapo_temperature_neg))
+    per_token = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    with torch.no_grad():
+        none = torch.zeros_like(m)
+        stats = _ratio_stats(ratio, none, none, m)
+    return per_token, stats
+
+
+@policy_loss("vespo")
+def vespo(b: PolicyBatch, o: LossOptions) -> tuple[Tensor, dict]:
+    """VESPO (TRL loss_type "vespo"): REINFORCE weighted by a detached gamma function of the sequence ratio,
+
+        log w_i = clamp(sum_t clamp(lp - old, -20, 20), log 1e-8, 20)          (the sum, not the mean)
+        phi_i   = exp(lambda + k log w_i - lambda w_i),   (k, lambda) = (vespo_k_pos, vespo_lambda_pos) where A >= 0,
+                                                          else (vespo_k_neg, vespo_lambda_neg)
+        l_{i,t} = -sg[phi_i] A lp_{i,t}
+
+    phi(1) = 1: on-policy it is REINFORCE; samples whose ratio is far from 1 on either side are weighted down.
+    Token level only (the sequence weight is built here). Stats: phi_mean, ratio_mean; clip_fraction is 0.
+    """
+    m = b.mask.bool()
+    adv = _broadcast_adv(b.advantages, b.logprobs)
+    with torch.no_grad():
+        d = torch.where(m, b.logprobs.detach() - b.old_logprobs.to(b.logprobs.dtype), torch.zeros_like(b.logprobs))
+        log_w = d.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).sum(-1, keepdim=True).clamp(math.log(1e-8), _MAX_LOG_RATIO)
+        w = log_w.exp()
+        pos = adv >= 0
+        k = torch.where(pos, torch.full_like(adv, o.vespo_k_pos), torch.full_like(adv, o.vespo_k_neg))
+        lam = torch.where(pos, torch.full_like(adv, o.vespo_lambda_pos),
+                          torch.full_like(adv, o.vespo_lambda_neg)).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        none = torch.zeros_like(m)
+        stats = {"clip_fraction": _frac(none, m), "phi_mean": _frac(torch.where(m, phi, torch.zeros_like(phi)), m),
+                 "ratio_mean": _frac(w.expand_as(phi), m)}
+    lp_safe = torch.where(m, b.logprobs, torch.zeros_like(b.logprobs))
+    return -phi * adv * lp_safe, stats
 
 
 @policy_loss("bpo")

@@ -94,6 +94,8 @@ def test_gspo_sequence_level_ratio_hand_computation():
     ("local-token-mean", "bnpo", Normalizer(num_tokens=10, local_tokens=3, num_ranks=2), 8 / 6),
     ("seq-mean-token-sum-norm", "dr_grpo", Normalizer(max_completion_length=5), 8 / (2 * 5)),
     ("seq-mean-token-sum-norm", "dr_grpo", Normalizer(num_sequences=4, max_completion_length=5), 8 / 20),
+    ("seq-mean-token-sum", "luspo", Normalizer(), 8 / 2),
+    ("seq-mean-token-sum", "luspo", Normalizer(num_sequences=4), 8 / 4),
 ])
 def test_aggregation_hand_computation(name, trl, norm, expected):
     y = torch.tensor([[1.0, 3.0, float("nan")], [4.0, 0.0, float("inf")]])  # masked-out garbage never counts
@@ -123,6 +125,9 @@ def test_micro_batches_add_up_to_the_whole_step(name):
     (["loss_type=dr_grpo", "importance_sampling_level=sequence"], "ppo_clip", "seq-mean-token-sum-norm", "sequence"),
     (["loss_type=dapo"], "ppo_clip", "token-mean", "token"),
     (["loss_type=cispo"], "cispo", "token-mean", "token"),
+    (["loss_type=sapo"], "sapo", "seq-mean-token-mean", "token"),
+    (["loss_type=vespo"], "vespo", "token-mean", "token"),
+    (["loss_type=luspo", "importance_sampling_level=sequence"], "ppo_clip", "seq-mean-token-sum", "sequence"),
     (["train.loss=bpo", "train.loss_aggregation=seq-mean-token-mean"], "bpo", "seq-mean-token-mean", "token"),
 ])
 def test_config_reads_trl_names(overrides, loss, agg, level):
@@ -136,6 +141,8 @@ def test_config_reads_trl_names(overrides, loss, agg, level):
     (["train.loss=bpo", "importance_sampling_level=sequence"],
      r"train\.importance_sampling_level: 'sequence' is not accepted with train\.loss=bpo"),
     (["train.loss=bpo", "loss_type=cispo"], r"means train\.loss=cispo, but train\.loss is bpo"),
+    (["loss_type=vespo", "importance_sampling_level=sequence"],
+     r"'sequence' is not accepted with train\.loss=vespo, which takes token"),
     (["importance_sampling_level=sequence_token"], r"importance_sampling_level: 'sequence_token' .*token, sequence"),
 ])
 def test_config_rejects_bad_loss_settings(overrides, match):
@@ -146,7 +153,8 @@ def test_config_rejects_bad_loss_settings(overrides, match):
 @pytest.mark.parametrize("overrides", [
     ["train.loss=ppo_clip"], ["train.loss=bpo"], ["train.loss=cispo"], ["loss_type=grpo"], ["loss_type=bnpo"],
     ["loss_type=dr_grpo"], ["importance_sampling_level=sequence"],
-    ["train.loss=cispo", "importance_sampling_level=sequence"],
+    ["train.loss=cispo", "importance_sampling_level=sequence"], ["loss_type=sapo"], ["loss_type=vespo"],
+    ["loss_type=luspo", "importance_sampling_level=sequence"],
 ])
 def test_every_variant_updates_the_policy(overrides):
     """Two PPO passes (so that the ratio moves) of every variant on the tiny model: finite, and the weights move."""
