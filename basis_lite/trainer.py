@@ -37,6 +37,7 @@ from .estimators import EstimatorContext, get_estimator
 from .faults import maybe_kill
 from .model.loading import cache_root, count_parameters, reset_peak_memory
 from .rewards.scorer import RewardScorer, column_names, example_columns
+from .rewards.worker import TrainerState
 from .rl import distributed
 from .rl.evaluate import evaluate
 from .rl.priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
@@ -242,7 +243,8 @@ def score(run: RunState, batch, rollouts):
     golds = [ex.answer for ex in batch for _ in range(G)]
     scored = run.scorer([ex.prompt for ex in batch for _ in range(G)], [r.text for r in rollouts], golds,
                         columns=example_columns(batch, run.cfg.data, repeat=G),
-                        completion_ids=[r.completion_ids for r in rollouts])
+                        completion_ids=[r.completion_ids for r in rollouts],
+                        state=TrainerState(global_step=run.step, max_steps=run.cfg.train.steps))
     return torch.tensor(scored.total, dtype=torch.float32).view(len(batch), G), scored
 
 

@@ -23,10 +23,14 @@ completion: ``prompts`` (the dataset's prompt, as TRL passes it: the question te
 its list of messages; not the chat-templated string), ``completions`` (text; for a conversational row TRL's
 ``[{"role": "assistant", "content": text}]``), ``completion_ids`` (token ids), ``answers`` (the gold answers), and
 the data columns: the question under ``data.question_field``'s name, the gold answer under ``data.answer_field``'s
-name and each metadata key of the examples (``level``, ``family``, and a file's other columns). A function with
-``**kwargs`` gets all of them, any other only the parameters it names. Its signature is checked when the scorer
-starts (before step 1): a parameter without a default that no argument fills is a RewardError naming what is
-passed.
+name and each metadata key of the examples (``level``, ``family``, and a file's other columns); and TRL's three:
+``trainer_state`` (``global_step``: steps done before this batch, ``max_steps``), ``log_metric(name, value)`` (the
+values of a step are averaged into its metrics line as ``reward/<name>``) and ``log_extra(column, values)``
+(accepted; basis-lite keeps no completions table, so the values are dropped). A function with ``**kwargs`` gets all
+of them, any other only the parameters it names. ``async def`` functions (a judge API, say) are awaited together
+on one event loop after the synchronous ones, each within ``reward.timeout_s``, in the same worker. Its signature
+is checked when the scorer starts (before step 1): a parameter without a default that no argument fills is a
+RewardError naming what is passed.
 
 Values are used as returned (nothing is clamped) and weighted by ``reward.function_weights`` (1.0 each by
 default). The total reward of a rollout is::
@@ -65,11 +69,10 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..errors import RewardError
 from .answers import correctness, format_reward
-from .worker import STANDARD_KWARGS, Worker, call_user_fn, load_all
+from .worker import STANDARD_KWARGS, TrainerState, Worker, call_async_fns, call_user_fn, is_async, load_all
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ class RewardBatch:
     format: list[float]
     per_function: dict[str, list[float]] = field(default_factory=dict)  # unweighted values, 0 where they failed
     warnings: int = 0  # user-function failures in this call
+    metrics: dict[str, float] = field(default_factory=dict)  # log_metric(name, value) calls, averaged per name
 
 
 class RewardScorer:
@@ -146,12 +150,14 @@ class RewardScorer:
         self._proven: set[str] = set()  # functions that returned valid values at least once
         self._fns: dict = {}  # in-process mode only (reward.timeout_s: 0)
         self._worker: Worker | None = None
+        self._async: set[str] = set()  # the `async def` functions: awaited together, after the others
         self._closed = False
         unique = list(dict.fromkeys(self.specs))
         if not unique:
             return
         if self.timeout_s <= 0:  # asked for: user code in this process, no isolation
             self._fns, errors = load_all(unique, self.available, self.refused_dirs)
+            self._async = {spec for spec, (fn, _) in self._fns.items() if is_async(fn)}
         else:
             self._worker = Worker(unique, self.available, self.refused_dirs)
             err = self._worker.wait_ready()
@@ -159,7 +165,7 @@ class RewardScorer:
                 self.close()
                 raise RewardError(f"reward.functions: {err}; nothing was trained. Run the import by hand "
                                   f"(python -c 'import MODULE') to see why")
-            errors = self._worker.errors
+            errors, self._async = self._worker.errors, set(self._worker.async_specs)
         if errors:
             self.close()
             raise RewardError("; ".join(errors.values()))
@@ -173,17 +179,22 @@ class RewardScorer:
             extra = "" if n < _LOG_FIRST else f" ({n} warnings for this function so far; further ones are throttled)"
             log.warning("reward function %s %s; its reward is 0 for the affected rollouts%s", key, message, extra)
 
-    def _run_user_fn(self, spec, kwargs: dict) -> tuple[str, Any]:
+    def _run_user_fns(self, group, kwargs: dict) -> list:
+        """Run one function (`group` a spec) or await several async ones together (a tuple of specs); one result
+        (status, payload, metrics) per function. A worker that hung or died is replaced for the next call."""
+        specs = [group] if isinstance(group, str) else list(group)
         if self.timeout_s <= 0:
-            return call_user_fn(*self._fns[spec], kwargs)
+            if isinstance(group, str):
+                return [call_user_fn(*self._fns[group], kwargs)]
+            return call_async_fns([self._fns[s] for s in specs], kwargs, 0.0)
         if self._worker is None:
             self._worker = Worker(list(dict.fromkeys(self.specs)), self.available, self.refused_dirs)
-        status, payload = self._worker.call(spec, kwargs, self.timeout_s)
-        if status == "dead":
+        out = self._worker.call(group, kwargs, self.timeout_s)
+        if isinstance(out, tuple) and out[0] == "dead":
             self._worker.close(graceful=False)
             self._worker = None  # a fresh one is spawned on the next call
-            return "error", payload
-        return status, payload
+            return [("error", out[1], {})] * len(specs)
+        return [out] if isinstance(group, str) else list(out)
 
     def _failed(self, key: str, spec: str, message: str, n: int) -> tuple[list[float], int]:
         """A failed call: before the function ever worked it is a bug to fix (RewardError: the run stops), after
@@ -195,9 +206,8 @@ class RewardScorer:
         self._warn(key, message)
         return [0.0] * n, 1
 
-    def _score_user_fn(self, key, spec, kwargs: dict) -> tuple[list[float], int]:
-        n = len(kwargs["completions"])
-        status, payload = self._run_user_fn(spec, kwargs)
+    def _score_user_fn(self, key, spec, result: tuple, n: int) -> tuple[list[float], int]:
+        status, payload = result[0], result[1]
         if status != "ok":
             return self._failed(key, spec, str(payload), n)
         if len(payload) != n:
@@ -220,10 +230,12 @@ class RewardScorer:
 
     # -- public ----------------------------------------------------------------------------------------------
     def __call__(self, prompts: list, completions: list[str], answers: list[str],
-                 columns: dict[str, list] | None = None, completion_ids: list | None = None) -> RewardBatch:
+                 columns: dict[str, list] | None = None, completion_ids: list | None = None,
+                 state: TrainerState | None = None) -> RewardBatch:
         """Score a batch; `prompts` are the dataset's prompts (``Example.prompt``: text, or a list of messages),
         `columns` (``example_columns``) and `completion_ids` go to the user functions that ask for them, one value
-        per completion."""
+        per completion; `state` is their `trainer_state` (the trainer's step; TrainerState() elsewhere). The
+        synchronous functions run one after the other, then the async ones are awaited together."""
         if self._closed:
             raise RuntimeError("RewardScorer is closed")
         n = len(completions)
@@ -242,17 +254,28 @@ class RewardScorer:
         total = [cfg.correctness_weight * c + cfg.format_weight * f for c, f in zip(correct, fmt)]
         per_function: dict[str, list[float]] = {}
         warnings = 0
+        logged: dict[str, list] = {}
         if self.specs:
             # TRL's convention: a conversational prompt (a list of messages) gets its completion as messages too
             user_completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
                                 for p, c in zip(prompts, completions)]
-            kwargs = {"prompts": list(prompts), "completions": user_completions, "answers": list(answers), **extra}
+            kwargs = {"prompts": list(prompts), "completions": user_completions, "answers": list(answers),
+                      "trainer_state": state or TrainerState(), **extra}
+            results = {spec: self._run_user_fns(spec, kwargs)[0]
+                       for spec in dict.fromkeys(self.specs) if spec not in self._async}
+            group = tuple(spec for spec in dict.fromkeys(self.specs) if spec in self._async)
+            if group:
+                results.update(zip(group, self._run_user_fns(group, kwargs)))
             for key, spec, w in zip(self.keys, self.specs, self.weights):
-                vals, nw = self._score_user_fn(key, spec, kwargs)
+                vals, nw = self._score_user_fn(key, spec, results[spec], n)
                 warnings += nw
                 per_function[key] = vals
                 total = [t + w * v for t, v in zip(total, vals)]
-        return RewardBatch(total=total, correct=correct, format=fmt, per_function=per_function, warnings=warnings)
+            for *_, metrics in results.values():
+                for name, values in metrics.items():
+                    logged.setdefault(name, []).extend(values)
+        return RewardBatch(total=total, correct=correct, format=fmt, per_function=per_function, warnings=warnings,
+                           metrics={name: sum(v) / len(v) for name, v in logged.items() if v})
 
     def close(self) -> None:
         self._closed = True

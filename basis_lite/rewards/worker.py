@@ -1,10 +1,15 @@
 """The isolated reward worker: user reward functions (``"package.module:function"``) are imported, their signatures
 checked, and called in one persistent "spawn" process, so that the trainer survives code that raises, exits, crashes
 or hangs (rewards/scorer.py's docstring says exactly what this guards and what it does not).
-``reward.timeout_s: 0`` calls them in this process instead (``load_all`` + ``call_user_fn``).
+``reward.timeout_s: 0`` calls them in this process instead (``load_all`` + ``call_user_fn``). ``async def``
+functions (TRL runs them concurrently, e.g. calls to a judge API) are awaited together with ``asyncio.gather``,
+each within the timeout (``call_async_fns``).
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -22,14 +27,33 @@ from ..errors import RewardError
 from ..safeio import inside
 
 _STARTUP_TIMEOUT_S = 120.0  # a fresh worker must import the user functions within this time
+_ASYNC_GRACE_S = 5.0  # async functions time out one by one inside the worker; past this more the worker is replaced
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # user reward functions
 # ---------------------------------------------------------------------------------------------------------------
 
-# passed to every user function (when its signature takes them); the data columns follow (see `example_columns`)
-STANDARD_KWARGS = ("prompts", "completions", "completion_ids", "answers")
+# passed to every user function (when its signature takes them); the data columns follow (see `example_columns`).
+# trainer_state, log_extra and log_metric are TRL's: the training progress and two logging callbacks
+STANDARD_KWARGS = ("prompts", "completions", "completion_ids", "answers", "trainer_state", "log_extra", "log_metric")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The `trainer_state` argument: the part of TRL's TrainerState that reward shaping by progress reads.
+    global_step: optimizer steps done before this batch (0 at the first step, as in TRL); max_steps: train.steps."""
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
+def is_async(fn: Callable) -> bool:
+    """Whether calling `fn` returns a coroutine: an `async def` function, a functools.partial of one, or an object
+    whose __call__ is `async def` (TRL's is_async_callable)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 def _cwd_on_path() -> None:
@@ -149,12 +173,21 @@ def _where(e: BaseException) -> str:
     return f" (at {os.path.basename(f.filename)}:{f.lineno} in {f.name})"
 
 
-def call_user_fn(fn: Callable, plan: CallPlan, kwargs: dict) -> tuple[str, Any]:
-    """Call one user function and coerce its output: ("ok", [float | None, ...]) or ("error", message)."""
-    try:
-        out = fn(**plan.select(kwargs))
-    except (Exception, SystemExit) as e:
-        return "error", f"raised {type(e).__name__}: {e}{_where(e)}"
+def _logging_kwargs(metrics: dict) -> dict:
+    """TRL's log_metric(name, value) (collected into `metrics`: the scorer averages them into the step's metrics)
+    and log_extra(column, values) (TRL's completions table: basis-lite has none, so the values are accepted and
+    dropped)."""
+    def log_metric(name: str, value: float) -> None:
+        metrics.setdefault(str(name), []).append(float(value))
+
+    def log_extra(column: str, values: list) -> None:
+        return None
+
+    return {"log_metric": log_metric, "log_extra": log_extra}
+
+
+def _coerce(out: Any) -> tuple[str, Any]:
+    """A user function's output as ("ok", [float | None, ...]) or ("error", message)."""
     if isinstance(out, (dict, str, bytes, set, frozenset)) or hasattr(out, "keys"):
         return "error", f"returned a {type(out).__name__}, expected a list of floats (one per completion)"
     try:
@@ -175,6 +208,44 @@ def call_user_fn(fn: Callable, plan: CallPlan, kwargs: dict) -> tuple[str, Any]:
         except Exception:
             return "error", f"returned a non-numeric value at index {i}: {v!r:.80}"
     return "ok", vals
+
+
+def call_user_fn(fn: Callable, plan: CallPlan, kwargs: dict) -> tuple[str, Any, dict]:
+    """Call one user function and coerce its output: ("ok", [float | None, ...], metrics) or ("error", message,
+    metrics); `metrics` holds what it passed to log_metric ({name: [values]})."""
+    metrics: dict = {}
+    try:
+        out = fn(**plan.select({**kwargs, **_logging_kwargs(metrics)}))
+    except (Exception, SystemExit) as e:
+        return "error", f"raised {type(e).__name__}: {e}{_where(e)}", metrics
+    return (*_coerce(out), metrics)
+
+
+async def _await_user_fn(fn: Callable, plan: CallPlan, kwargs: dict, timeout_s: float) -> tuple[str, Any, dict]:
+    metrics: dict = {}
+    try:
+        coro = fn(**plan.select({**kwargs, **_logging_kwargs(metrics)}))
+        out = await (asyncio.wait_for(coro, timeout_s) if timeout_s > 0 else coro)
+    except asyncio.TimeoutError:
+        return "error", f"timed out after {timeout_s:g} s", metrics
+    except (Exception, SystemExit) as e:
+        return "error", f"raised {type(e).__name__}: {e}{_where(e)}", metrics
+    return (*_coerce(out), metrics)
+
+
+def call_async_fns(calls: list, kwargs: dict, timeout_s: float) -> list:
+    """Await the `async def` functions of `calls` ([(fn, CallPlan)]) concurrently on one event loop, each within
+    `timeout_s` (0: no limit); one call_user_fn-style result per function, in order. From a thread that already
+    runs an event loop (a notebook) the loop runs in a helper thread."""
+    async def gather() -> list:
+        return list(await asyncio.gather(*(_await_user_fn(fn, plan, kwargs, timeout_s) for fn, plan in calls)))
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
 
 
 def load_all(specs: list, available: list, refused_dirs: Sequence = ()) -> tuple[dict, dict]:
@@ -202,7 +273,7 @@ def _worker_main(conn, specs: list, available: list, refused_dirs: Sequence = ()
         f, err = load_all([spec], available, refused_dirs)
         fns.update(f)
         errors.update(err)
-    conn.send(("ready", errors))
+    conn.send(("ready", (errors, [spec for spec, (fn, _) in fns.items() if is_async(fn)])))
     while True:
         try:
             msg = conn.recv()
@@ -210,15 +281,21 @@ def _worker_main(conn, specs: list, available: list, refused_dirs: Sequence = ()
             return
         if msg is None:
             return
-        spec, kwargs = msg
-        if spec not in fns:
-            result = ("error", f"could not be loaded in the reward worker: {errors.get(spec, 'unknown')}")
-        else:
-            result = call_user_fn(*fns[spec], kwargs)
+        spec, kwargs, timeout_s = msg
+        group = [spec] if isinstance(spec, str) else list(spec)
+        missing = [s for s in group if s not in fns]
+        if missing:
+            results = [("error", f"could not be loaded in the reward worker: {errors.get(s, 'unknown')}", {})
+                       for s in group]
+        elif isinstance(spec, str):
+            results = [call_user_fn(*fns[spec], kwargs)]
+        else:  # async functions, awaited together
+            results = call_async_fns([fns[s] for s in group], kwargs, timeout_s)
         try:
-            conn.send(result)
+            conn.send(results[0] if isinstance(spec, str) else results)
         except Exception as e:  # pragma: no cover - results are plain floats by now
-            conn.send(("error", f"result could not be sent back: {e}"))
+            failed = ("error", f"result could not be sent back: {e}", {})
+            conn.send(failed if isinstance(spec, str) else [failed] * len(group))
 
 
 class Worker:
@@ -234,6 +311,7 @@ class Worker:
         child.close()
         self.ready = False
         self.errors: dict = {}
+        self.async_specs: set = set()  # the functions that are `async def` (awaited together)
 
     def wait_ready(self) -> str | None:
         """None once the worker has imported the functions (their errors are in `self.errors`), else why not."""
@@ -257,22 +335,27 @@ class Worker:
             return f"the reward worker exited (exit code {self.proc.exitcode}){what}"
         if tag != "ready":
             return f"the reward worker sent an unexpected start message {tag!r}"
-        self.ready, self.errors = True, payload
+        self.ready = True
+        self.errors, async_specs = payload
+        self.async_specs = set(async_specs)
         return None
 
-    def call(self, spec, kwargs: dict, timeout_s: float) -> tuple[str, Any]:
-        """("ok", values) | ("error", message) | ("dead", message): after "dead" this worker is unusable."""
+    def call(self, spec, kwargs: dict, timeout_s: float):
+        """One function (`spec` a string): ("ok", values, metrics) | ("error", message, metrics); a tuple of async
+        functions: a list of those, awaited together, each within `timeout_s` inside the worker. ("dead",
+        message, {}) when the worker hung past the limit or died: it is unusable after that."""
         err = self.wait_ready()
         if err:
-            return "dead", err
+            return "dead", err, {}
+        limit = timeout_s if isinstance(spec, str) else timeout_s + _ASYNC_GRACE_S
         try:
-            self.conn.send((spec, kwargs))
-            if not self.conn.poll(timeout_s):
-                return "dead", f"timed out after {timeout_s:g} s (worker restarted)"
+            self.conn.send((spec, kwargs, timeout_s))
+            if not self.conn.poll(limit):
+                return "dead", f"timed out after {timeout_s:g} s (worker restarted)", {}
             return self.conn.recv()
         except (EOFError, OSError, BrokenPipeError):
             self.proc.join(1)
-            return "dead", f"the reward worker died (exit code {self.proc.exitcode}; restarted)"
+            return "dead", f"the reward worker died (exit code {self.proc.exitcode}; restarted)", {}
 
     def close(self, graceful: bool = True) -> None:
         try:

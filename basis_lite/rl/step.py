@@ -54,6 +54,7 @@ class Step:
     wait_s: float = 0.0  # waiting for the slowest rank before the gather
     gather_s: float = 0.0  # the all-gather itself
     gather_bytes: int = 0  # what the all-gather delivers to each rank
+    reward_metrics: dict = dataclasses.field(default_factory=dict)  # log_metric calls of this rank's reward functions
     adv: torch.Tensor | None = None  # [B, G] advantages and baselines of the global batch (trainer.baselines)
     base: torch.Tensor | None = None
     training_s: float = 0.0
@@ -72,7 +73,7 @@ class Step:
             trajectory = torch.stack([r.trajectory.float().cpu() for r in rollouts]).view(b, G, -1)
         return cls(n, batch, mine, rollouts, rewards, features, trajectory, [float(x) for x in scored.correct],
                    [float(x) for x in scored.format], [len(r.completion_ids) for r in rollouts], int(reward_warnings),
-                   float(generation_s), started=started)
+                   float(generation_s), started=started, reward_metrics=dict(getattr(scored, "metrics", {})))
 
     def gathered(self, ranks: Ranks) -> Step:
         """The step over the global batch: every rank's rewards, flags, lengths and features, in rank order (so
@@ -145,6 +146,7 @@ class Step:
             **({"replay_rows": run.replay.rows} if run.replay is not None else {}),
             **(run.est_state.metrics() if hasattr(run.est_state, "metrics") else {}),
             **({"value_sampling_skipped": run.sampler.skipped} if run.value_tracker is not None else {}),
+            **{f"reward/{k}": v for k, v in self.reward_metrics.items()},  # this rank's (rank 0's under torchrun)
         }
         if ranks.active:
             rec.update({"ranks": ranks.world, "gather_wait_s": self.wait_s, "gather_s": self.gather_s,
