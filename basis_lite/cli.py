@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """basis-lite: single-rollout RL from verifiable rewards with BASIS baselines.
 
-    basis-lite train   [--preset NAME_OR_PATH] [--set key=value ...] [--output DIR] [--resume RUN_DIR]
+    basis-lite train   [--preset NAME_OR_PATH] [--config TRL_GRPO.yaml] [--set key=value ...] [--output DIR]
+                       [--resume RUN_DIR]
     torchrun --nproc_per_node N -m basis_lite train ...    the same on N data-parallel ranks (README)
     basis-lite eval    RUN_DIR_OR_ADAPTER [--dataset NAME_OR_FILE] [--samples K] [--limit N] [--base] [--set ...]
                        [--out FILE] [--show-misses N]
@@ -35,6 +36,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.steps=10 --set estimator.name=reinforce_pp "
                         "(values are parsed as YAML; repeatable)")
+    p.add_argument("--config", dest="trl_config", default=None, metavar="GRPO_YAML",
+                   help="a `trl grpo --config` YAML file, read with TRL's meaning on top of the preset (--set "
+                        "applies last); keys basis-lite cannot map are refused, with the nearest basis-lite key")
 
 
 def version_text() -> str:
@@ -134,16 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     from .config import load_config
+    from .errors import ConfigError
     from .rl.distributed import env_rank
     from .runs.saved import resume_config
     from .trainer import train
 
     signal.signal(signal.SIGTERM, _sigterm)  # stop like Ctrl-C: the reward worker closes, the lock is released
     if args.resume:
+        if args.trl_config:
+            raise ConfigError("--config: --resume takes the run's own config; drop --config (--set still applies)")
         cfg = resume_config(args.resume, args.overrides)
         summary = train(cfg, Path(args.resume), resume=True, progress=not args.no_progress)
     else:
-        cfg = load_config(args.preset, args.overrides)
+        cfg = load_config(args.preset, args.overrides, trl_config=args.trl_config)
         summary = train(cfg, args.output, progress=not args.no_progress)
     if env_rank() != 0:  # under torchrun rank 0 prints the result
         return 0
@@ -182,8 +189,10 @@ def cmd_presets(args) -> int:
 def cmd_config(args) -> int:
     from .config import describe_config, load_config
 
-    cfg = load_config(args.preset, args.overrides)
+    cfg = load_config(args.preset, args.overrides, trl_config=args.trl_config)
     head = f"# basis-lite config: preset {cfg.preset or args.preset}"
+    if args.trl_config:
+        head += f" with the TRL config {args.trl_config}"
     if args.overrides:
         head += " with --set " + " --set ".join(args.overrides)
     print(head + "\n# Every key with its meaning, [accepted values] and (default) where it differs. Save this and "
@@ -196,7 +205,7 @@ def cmd_prior(args) -> int:
     from .config import load_config
     from .rl.priors import compute_prior
 
-    table = compute_prior(load_config(args.preset, args.overrides), args.samples or 0)
+    table = compute_prior(load_config(args.preset, args.overrides, trl_config=args.trl_config), args.samples or 0)
     state = "reused cached" if table["cached"] else f"computed in {table['seconds']:.0f}s"
     print(f"prior K={table['k']} over {table['prompts']} prompts {state}: mean success {table['mean']:.3f} "
           f"(key {table['key']})")
@@ -252,7 +261,8 @@ def cmd_plan(args) -> int:
     from .plan import PLAN_FOOTER, plan_for
 
     names = list_presets() if args.all else [args.preset or None]
-    blocks = [plan_for(name, args.overrides, args.gpu_memory, gpus=args.gpus) for name in names]
+    blocks = [plan_for(name, args.overrides, args.gpu_memory, gpus=args.gpus, trl_config=args.trl_config)
+              for name in names]
     print("\n\n".join([*blocks, PLAN_FOOTER]), flush=True)
     return 0
 

@@ -424,16 +424,16 @@ PLAN_FOOTER = ("Estimates come from the model shape and the config (see basis_li
 
 
 def plan_for(preset: str | None = None, overrides: Sequence[str] = (), gpu_memory: float | None = None,
-             gpus: int = 1) -> str:
+             gpus: int = 1, trl_config: str | None = None) -> str:
     """The memory plan of one preset (default: the default preset) with `overrides`, as printed by `basis-lite plan`.
 
     The card size is `gpu_memory` (GiB) or else the preset header's `# gpu_memory_gb: N`; `gpus` > 1 gives one card
-    of a data-parallel run over that many.
+    of a data-parallel run over that many; `trl_config` a `trl grpo` config file read on top of the preset.
     """
     overrides = list(overrides)
     if gpu_memory is not None and not (math.isfinite(gpu_memory) and gpu_memory > 0):
         raise ConfigError(f"--gpu-memory: must be the card's memory in GiB, a number > 0, got {gpu_memory:g}")
-    cfg = load_config(preset, overrides)
+    cfg = load_config(preset, overrides, trl_config=trl_config)
     label = preset or cfg.preset
     card, source = gpu_memory, "--gpu-memory"
     if card is None:

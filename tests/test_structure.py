@@ -29,7 +29,7 @@ LAYERS = [
         "export": ["__init__", "converter"],
     }),
     ("configuration", "torch-free: the config tree, the estimator, loss, engine and optimizer specs", {
-        "config": ["__init__", "keys"],
+        "config": ["__init__", "keys", "trl"],
         "estimators": ["__init__", "basis_options", "probe_options"],
         "losses": ["__init__"],
         "engines": ["__init__"],

@@ -43,7 +43,7 @@ from .keys import (
 __all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "GenerationConfig", "RewardConfig", "EstimatorConfig",
            "TrainConfig", "EapoConfig", "ConfigError", "MIN_PROMPT_TOKENS", "Range", "FIELDS", "ALIASES", "REFUSED",
            "HELP", "RANGES", "CHOICES", "PRESET_DIR", "DEFAULT_PRESET", "cache_root", "all_keys", "get", "validate",
-           "load_config", "load_config_file", "from_dict", "to_dict", "save_config", "describe_config", "preset_path",
+           "load_config", "load_config_file", "merge_trl_config", "from_dict", "to_dict", "save_config", "describe_config", "preset_path",
            "list_presets", "preset_summary", "read_yaml", "MAX_SEQUENCES"]
 
 log = logging.getLogger(__name__)
@@ -228,8 +228,10 @@ def preset_summary(name: str) -> str:
     return ""
 
 
-def load_config(preset: str | None = None, overrides: list[str] | None = None, data: dict | None = None) -> Config:
-    """Build a validated Config from a preset (name or path), a raw mapping and `key=value` overrides."""
+def load_config(preset: str | None = None, overrides: list[str] | None = None, data: dict | None = None,
+                trl_config: str | os.PathLike | None = None) -> Config:
+    """Build a validated Config from a preset (name or path), a raw mapping, a `trl grpo` config file
+    (`trl_config`, read with TRL's meaning: config/trl.py) and `key=value` overrides, in that order."""
     cfg = Config()
     if data is None:
         name = preset or DEFAULT_PRESET
@@ -237,11 +239,31 @@ def load_config(preset: str | None = None, overrides: list[str] | None = None, d
         data = read_yaml(path, "preset") or {}
         cfg.preset = name
     _merge(cfg, data)
+    if trl_config is not None:
+        merge_trl_config(cfg, trl_config)
     for item in overrides or []:
         key, value = _parse_override(item)
         _merge(cfg, _nest(key, value))
     validate(cfg)
     return cfg
+
+
+def merge_trl_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Set the keys of a `trl grpo --config` YAML file on `cfg` (config/trl.py maps them); ConfigError naming the
+    file and the TRL key for anything it cannot map or a value its basis-lite key refuses."""
+    from .trl import translate
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file; expected the YAML file of a `trl grpo --config` run")
+    sections = {f.name for f in dataclasses.fields(Config)}
+    for trl_key, key, value in translate(read_yaml(path, "TRL config") or {}, ALIASES, all_keys(), sections,
+                                         source=f"TRL config {path}"):
+        try:
+            _merge(cfg, _nest(key, value) if trl_key != key else {key: value})
+        except ConfigError as e:
+            raise ConfigError(f"TRL config {path}: {trl_key}" + (f" (read as {key})" if trl_key != key else "")
+                              + f": {e}") from None
 
 
 def get(cfg: Config, key: str) -> Any:

@@ -36,18 +36,18 @@ def prompt_budget(cfg) -> int:
 class ModelConfig:
     name: str = setting("builtin:smollm2-135m-instruct", "the base model: builtin:smollm2-135m-instruct | "
                         "builtin:tiny-random (tests, built on the fly) | a Hugging Face hub id | a local folder",
-                        nonempty=True)
+                        nonempty=True, trl="model_name_or_path")
     backend: str = setting("auto", "auto (unsloth on CUDA when it imports, else hf) | hf (transformers + peft) | "
                            "unsloth (GPU)", choices=("auto", "hf", "unsloth"))
     dtype: str = setting("auto", "compute dtype: auto (bf16 where supported and fast, fp16 on pre-Ampere GPUs, fp32 "
                          "otherwise) | float32 | bfloat16 | float16",
-                         choices=("auto", "float32", "bfloat16", "float16"))
+                         choices=("auto", "float32", "bfloat16", "float16"), trl="dtype")
     load_in_4bit: bool = setting(False, "load the frozen base in bitsandbytes NF4 with double quantization (GPU "
-                                 "presets)")
+                                 "presets)", trl="load_in_4bit")
     max_seq_length: int = setting(512, "prompt + completion tokens; longer prompts lose their start",
                                   range=Range(1, 1 << 20))
     gradient_checkpointing: bool = setting(True, "recompute activations in the backward pass (less memory, more time); "
-                                           "off while generating")
+                                           "off while generating", trl="gradient_checkpointing")
     fast_inference: bool = setting(True, "unsloth backend only: an in-process vLLM sharing the 4-bit weights")
     gpu_memory_utilization: float = setting(0.5, "unsloth / vLLM: the share of GPU memory vLLM may take for weights + "
                                             "KV cache", range=UNIT_OPEN)
@@ -58,10 +58,12 @@ class ModelConfig:
 
 @dataclass
 class LoraConfig:
-    r: int = setting(16, "LoRA rank", range=Range(1, 4096))
-    alpha: int = setting(32, "LoRA alpha; the adapter's output is scaled by alpha / r", range=POS)
-    dropout: float = setting(0.0, "dropout on the LoRA input while training", range=Range(0, 1, hi_open=True))
-    target_modules: Any = setting("all-linear", "'all-linear' or a list of module names such as [q_proj, v_proj]")
+    r: int = setting(16, "LoRA rank", range=Range(1, 4096), trl="lora_r")
+    alpha: int = setting(32, "LoRA alpha; the adapter's output is scaled by alpha / r", range=POS, trl="lora_alpha")
+    dropout: float = setting(0.0, "dropout on the LoRA input while training", range=Range(0, 1, hi_open=True),
+                             trl="lora_dropout")
+    target_modules: Any = setting("all-linear", "'all-linear' or a list of module names such as [q_proj, v_proj]",
+                                  trl="lora_target_modules")
 
 
 def _check_lora(cfg: Config) -> None:
@@ -97,8 +99,8 @@ class DataConfig:
     question_field: str = setting("question", "hf: datasets and files: the field holding the question", nonempty=True)
     answer_field: str = setting("answer", "hf: datasets and files: the field holding the answer (text after ####, or "
                                 "the last \\boxed{}, is the gold answer)", nonempty=True)
-    split_train: str = setting("train", "hub datasets: the training split", nonempty=True)
-    split_eval: str = setting("test", "hub datasets: the eval split", nonempty=True)
+    split_train: str = setting("train", "hub datasets: the training split", nonempty=True, trl="dataset_train_split")
+    split_eval: str = setting("test", "hub datasets: the eval split", nonempty=True, trl="dataset_test_split")
     system_prompt: str = setting("", "system message; '' = none (a chat template's own default is removed too)")
     instruction: str = setting("Put the final answer in \\boxed{}.", "appended to every question")
     max_bad_fraction: float = setting(0.05, "stop loading when more than this share of rows is malformed (below it "
@@ -141,10 +143,11 @@ def _engine_help() -> str:
 @dataclass
 class GenerationConfig:
     engine: str = setting("hf", _engine_help, choices=engine_choices)
-    temperature: float = setting(1.0, "sampling temperature of the rollouts (the loss uses the same one)", range=POS)
-    top_p: float = setting(1.0, "nucleus sampling (1 = off)", range=Range(0, 1, lo_open=True))
+    temperature: float = setting(1.0, "sampling temperature of the rollouts (the loss uses the same one)", range=POS,
+                                 trl="temperature")
+    top_p: float = setting(1.0, "nucleus sampling (1 = off)", range=Range(0, 1, lo_open=True), trl="top_p")
     top_k: int = setting(0, "top-k sampling (0 = off; -1 is read as 0, vLLM's and TRL's 'off')",
-                         range=Range(-1, 10_000_000))
+                         range=Range(-1, 10_000_000), trl="top_k")
     max_new_tokens: int = setting(64, "completion tokens per rollout (TRL: max_completion_length)",
                                   range=Range(1, 1 << 20), trl="max_completion_length")
     batch_size: int = setting(64, "prompts per generate() call (per rank under torchrun)",
@@ -187,7 +190,7 @@ class RewardConfig:
                                   "back to the last number)")
     functions: list = setting([], "your reward functions, 'module:function', run in a worker process (see README: Data "
                               "and rewards)")
-    function_weights: list = setting([], "one weight per function (default 1.0 each)")
+    function_weights: list = setting([], "one weight per function (default 1.0 each)", trl="reward_weights")
     timeout_s: float = setting(10.0, "per-batch limit of one reward function; past it the worker is restarted and the "
                                "batch scores 0 (0 = run them in the trainer process, no limit)", range=Range(0, 86_400))
 
@@ -288,11 +291,11 @@ class TrainConfig:
     micro_batch_size: int = setting(8, "sequences per forward/backward; gradient accumulation covers the rest",
                                     range=Range(1, MAX_SEQUENCES), refuse=_REFUSE_ACCUMULATION)
     lr: float = setting(2e-4, "peak learning rate (TRL: learning_rate)", range=POS, trl="learning_rate")
-    weight_decay: float = setting(0.0, "AdamW weight decay", range=NONNEG)
-    warmup_steps: int = setting(2, "linear warmup steps", range=Range(0, 10_000_000))
+    weight_decay: float = setting(0.0, "AdamW weight decay", range=NONNEG, trl="weight_decay")
+    warmup_steps: int = setting(2, "linear warmup steps", range=Range(0, 10_000_000), trl="warmup_steps")
     schedule: str = setting("cosine", "learning-rate schedule after warmup: cosine (down to 10%) | constant",
                             choices=("cosine", "constant"))
-    max_grad_norm: float = setting(1.0, "the gradient norm is clipped to this value", range=POS)
+    max_grad_norm: float = setting(1.0, "the gradient norm is clipped to this value", range=POS, trl="max_grad_norm")
     optimizer: str = setting("auto", optimizer_help, choices=optimizer_names)
     loss: str = setting("ppo_clip", loss_help, choices=loss_names)
     loss_aggregation: str = setting("token-mean", aggregation_help, choices=_aggregations_with_trl, trl="loss_type")
@@ -330,11 +333,12 @@ class TrainConfig:
                               range=Range(0, 10_000_000))
     eval_batch_size: int = setting(64, "prompts per generate() call in eval", range=Range(1, MAX_SEQUENCES))
     eval_max_new_tokens: int = setting(64, "completion tokens in eval", range=Range(1, 1 << 20))
-    save_every: int = setting(10, "checkpoint every N steps (and at the end)", range=Range(1, 10_000_000))
+    save_every: int = setting(10, "checkpoint every N steps (and at the end)", range=Range(1, 10_000_000),
+                              trl="save_steps")
     keep_last: int = setting(2, "checkpoints kept", range=Range(1, 10_000))
     max_bad_steps: int = setting(3, "abort after this many non-finite losses in a row (each one is skipped)",
                                  range=Range(1, 10_000_000))
-    seed: int = setting(0, "seed of sampling, prompt order and the LoRA init", range=Range(0, 2**32 - 1))
+    seed: int = setting(0, "seed of sampling, prompt order and the LoRA init", range=Range(0, 2**32 - 1), trl="seed")
     threads: int = setting(0, "torch CPU threads (0 = all cores)", range=Range(0, 4096))
     report_to: list = setting([], "extra loggers besides metrics.jsonl: [tensorboard, wandb]")
     wandb_project: str = setting("", "W&B project ('' = $WANDB_PROJECT, else basis-lite)")
