@@ -7,7 +7,7 @@
     basis-lite eval    RUN_DIR_OR_ADAPTER [--dataset NAME_OR_FILE] [--samples K] [--limit N] [--base] [--set ...]
                        [--out FILE] [--show-misses N]
     basis-lite export  RUN_DIR_OR_ADAPTER --out DIR [--merged] [--dtype auto|bfloat16|float16|float32]
-                       [--gguf f16|q8_0] [--tolerance T]
+                       [--gguf f16|q8_0] [--tolerance T] [--merge-into trained|original]
     basis-lite prior   [--preset ...] [--set ...]       precompute the BASIS reference prior (cached)
     basis-lite plan    [--preset ...] [--gpu-memory GiB] [--gpus N] [--all]   memory estimate by part
     basis-lite plot    RUN_DIR [--out DIR]              PNG charts of a run's metrics
@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf", default=None, choices=["f16", "q8_0"],
                    help="write a GGUF for llama.cpp / Ollama / LM Studio with llama.cpp's converter (fetched once)")
     p.add_argument("--tolerance", type=float, default=None, help="max logit difference allowed in the self-check")
+    p.add_argument("--merge-into", default="trained", choices=["trained", "original"],
+                   help="run over a 4-bit base: merge into the dequantised NF4 weights the adapter was trained "
+                        "against (trained, the default) or into the original full-precision weights (original: "
+                        "prints the measured gap to the trained model)")
 
     p = sub.add_parser("prior", help="precompute the BASIS prior (K reference rollouts per training prompt)")
     _add_config_args(p)
@@ -231,7 +235,7 @@ def cmd_export(args) -> int:
     from .export.hf import export_run
 
     report = export_run(args.run_dir, args.out, merged=args.merged, dtype=args.dtype, tolerance=args.tolerance,
-                        gguf=args.gguf)
+                        gguf=args.gguf, merge_into=args.merge_into)
     out = report["out"]
     if report["kind"] == "adapter":
         print(f"adapter written to {out} (load: PeftModel.from_pretrained(base, {out!r}); see README.md)")
@@ -246,9 +250,15 @@ def cmd_export(args) -> int:
         print(f"{report['gguf_type']} GGUF written to {out}/{report['file']} ({report['size_mb']:.1f} MB){extra}")
         return 0
     c = report["check"]
-    print(f"self-check: reloaded {c['saved_dtype']} model vs base + adapter (fp32): max |logit diff| "
+    print(f"self-check: reloaded {c['saved_dtype']} model vs {c['reference']}: max |logit diff| "
           f"{c['max_abs_diff']:.4g} (tolerance {c['tolerance']:.4g}, max |logit| {c['max_abs_logit']:.4g}); vs the "
           f"same weights in memory {c['roundtrip_max_abs_diff']:.3g}")
+    gap = c.get("gap_to_trained")
+    if gap:
+        print(f"merged into the ORIGINAL full-precision weights: the run trained over NF4 weights, and this model "
+              f"differs from the trained one (NF4 base + adapter) by up to {gap['max_abs_diff']:.4g} logits (same "
+              f"argmax at {100 * gap['argmax_agreement']:.1f}% of {c['positions']} positions); the default "
+              f"--merge-into trained exports the trained model")
     print(f"merged {report['dtype']} model written to {out} ({report['size_mb']:.1f} MB)")
     print(f"self-check passed: max |logit diff| {c['max_abs_diff']:.3g} <= tolerance {c['tolerance']:.3g} "
           f"over {c['positions']} positions of {c['prompts']} prompts (max |logit| {c['max_abs_logit']:.3g}; "

@@ -2,32 +2,41 @@
 
     export_run(run_dir, out)                  adapter + tokenizer + README (loads with PeftModel)
     export_run(run_dir, out, merged=True,     merged safetensors for plain transformers / vLLM
-               dtype="auto", tolerance=None)  (dtype: auto | bfloat16 | float16 | float32)
+               dtype="auto", tolerance=None,  (dtype: auto | bfloat16 | float16 | float32; merge_into: trained |
+               merge_into="trained")          original, for a run over a 4-bit base)
     export_run(run_dir, out, gguf="q8_0")     a GGUF for llama.cpp / Ollama / LM Studio (export/gguf.py)
 
 Every export ships the chat template training used (`data.prompts.training_chat_template`), and adapter_config.json
 names the run's model.name as the base (`builtin:...` resolves with `model.loading.resolve_model_path`).
 
-Merged export, step by step:
+Merged export, step by step (one function each; `export_merged` runs them):
 
-1. The base is loaded in FULL precision (float32, on the CPU), never in 4-bit, even when the run trained over an
-   NF4 base: merging a LoRA delta into NF4 weights re-quantises them and loses the delta's small entries. A base
-   folder that is itself stored pre-quantised is refused with a message.
-2. The adapter is attached (peft, fp32) and reference logits are taken on a few chat-templated questions of the
-   run's own eval set (with a boxed answer appended, so assistant-side positions are covered too), and once more
-   with the adapter disabled to report how much the adapter changes the model at all.
-3. `merge_and_unload()`; the merged fp32 model must reproduce the reference logits up to fp32 summation-order noise
-   (MERGE check, relative tolerance 2^-13 of the largest |logit|). A wrong merge fails here, before anything is
-   written.
-4. Cast to 16-bit (bfloat16 by default; float16 when asked or when the base config's dtype is float16) and
-   `save_pretrained(..., safe_serialization=True)` with the tokenizer and chat template into a temporary folder next
-   to DIR.
-5. ROUND-TRIP check: the folder is reloaded with plain `AutoModelForCausalLM.from_pretrained(tmp, dtype=float32)`
-   (no peft), its logits are compared with the reference and the largest absolute difference is printed. Above the
-   tolerance the export fails (ModelError) and the temporary folder is removed. The reload must also reproduce the
-   logits of the same rounded weights computed in memory before saving (expected: exactly; allowed: the MERGE
-   tolerance), which catches a file that does not hold the merged model even when the adapter's effect is smaller
-   than the rounding tolerance. The saved tensors must all be of the target dtype and hold no LoRA tensors.
+1. `_base_for_merge`: the base's folder and config. A base folder that is itself stored pre-quantised is refused
+   with a message.
+2. `_trained_reference`: the model training produced, on the CPU in float32 compute: the adapter (peft) over the
+   base as training held it, i.e. NF4 (bitsandbytes, double quantization, as `model.loading.load_base` loads it)
+   when the run trained with model.load_in_4bit. Reference logits are taken on a few chat-templated questions of
+   the run's own eval set (with a boxed answer appended, so assistant-side positions are covered too), and once
+   more with the adapter disabled to report how much the adapter changes the model at all.
+3. `_merged_model`: the adapter merged (`merge_and_unload`) into float32 weights, never into 4-bit ones (merging
+   into NF4 re-quantises and loses the delta's small entries). Over a full-precision base: the trained model itself.
+   Over a 4-bit base (`merge_into`, `--merge-into`): `trained` (the default) merges into a float32 copy of the base
+   whose 4-bit layers hold their dequantised NF4 weights, the weights the adapter was trained against, so the result
+   is the trained model; `original` merges into the base's original full-precision weights, a model the adapter
+   never saw, and the report gives its measured gap to the trained model (max |logit diff|, argmax agreement). The
+   merged fp32 model must reproduce its reference (the trained model; for `original`, base + adapter over the
+   original weights) up to fp32 summation-order noise (MERGE check, relative tolerance 2^-13 of the largest
+   |logit|). A wrong merge fails here, before anything is written.
+4. `_rounded`: cast to 16-bit (bfloat16 by default; float16 when asked or when the base config's dtype is float16;
+   never re-quantised), the rounded weights' logits kept, then `save_pretrained(..., safe_serialization=True)` with
+   the tokenizer and chat template into a temporary folder next to DIR.
+5. `_verify_saved`, the ROUND-TRIP check: the folder is reloaded with plain
+   `AutoModelForCausalLM.from_pretrained(tmp, dtype=float32)` (no peft), its logits are compared with the reference
+   and the largest absolute difference is printed. Above the tolerance the export fails (ModelError) and the
+   temporary folder is removed. The reload must also reproduce the logits of the same rounded weights computed in
+   memory before saving (expected: exactly; allowed: the MERGE tolerance), which catches a file that does not hold
+   the merged model even when the adapter's effect is smaller than the rounding tolerance. The saved tensors must
+   all be of the target dtype and hold no LoRA tensors.
 6. The temporary folder is renamed to DIR. A failure anywhere (full disk included) leaves no DIR and no temp folder.
 
 Tolerance of the round-trip check (absolute, in logits), by default
@@ -45,11 +54,13 @@ memory and disk by the exact reload comparison; the rounding tolerance bounds wh
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,10 +96,11 @@ ADAPTER_FILES_SKIPPED = {"README.md", "eval.json", "eval_base.json"}  # peft's g
 
 
 def export_run(run_dir: str | Path, out: str | Path, merged: bool = False, dtype: str = "auto",
-               tolerance: float | None = None, gguf: str | None = None) -> dict:
+               tolerance: float | None = None, gguf: str | None = None, merge_into: str = "trained") -> dict:
     """Export a run's (or an adapter folder's) adapter to `out`: the adapter alone, or with `merged` a merged model
     in `dtype` that passed the self-check within `tolerance` (default: the rounding rule above), or with `gguf`
-    (f16 | q8_0) a GGUF file for llama.cpp / Ollama / LM Studio (export/gguf.py).
+    (f16 | q8_0) a GGUF file for llama.cpp / Ollama / LM Studio (export/gguf.py). `merge_into` (merged and GGUF
+    exports of a run over a 4-bit base): trained (the dequantised NF4 weights) or original (step 3 above).
 
     Returns the export report (also written to `out`/basis_lite_export.json) plus "out": the folder.
     """
@@ -106,6 +118,10 @@ def export_run(run_dir: str | Path, out: str | Path, merged: bool = False, dtype
         if merged or dtype != "auto":
             raise ConfigError("--gguf writes a GGUF file instead of a merged safetensors folder; drop --merged and "
                               "--dtype (the type is the value of --gguf)")
+    if merge_into not in MERGE_INTO:
+        raise ConfigError(f"--merge-into: {merge_into!r} is not accepted; choose one of {', '.join(MERGE_INTO)}")
+    if merge_into != "trained" and not (merged or gguf):
+        raise ConfigError("--merge-into applies to --merged and --gguf exports; the adapter export copies the adapter")
     out = Path(out).expanduser()
     check_destination(out)
     cfg = load_run_config(target)
@@ -115,9 +131,10 @@ def export_run(run_dir: str | Path, out: str | Path, merged: bool = False, dtype
     if gguf is not None:
         from .gguf import export_gguf
 
-        report = export_gguf(cfg, target, out, gguf, tolerance=tolerance, merge=export_merged)
+        report = export_gguf(cfg, target, out, gguf, tolerance=tolerance,
+                             merge=functools.partial(export_merged, merge_into=merge_into))
     elif merged:
-        report = export_merged(cfg, target, out, dtype_name=dtype, tolerance=tolerance)
+        report = export_merged(cfg, target, out, dtype_name=dtype, tolerance=tolerance, merge_into=merge_into)
     else:
         if dtype != "auto" or tolerance is not None:
             log.warning("--dtype and --tolerance only apply with --merged; the adapter is copied as trained")
@@ -266,13 +283,27 @@ def _saved_tensor_info(folder: Path) -> tuple[set[str], list[str]]:
 SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
-def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "auto",
-                  tolerance: float | None = None, n_prompts: int = CHECK_PROMPTS) -> dict:
-    from transformers import AutoConfig, AutoModelForCausalLM
+MERGE_INTO = ("trained", "original")
 
-    from ..runs.checkpoint import load_peft_adapter
 
-    t0 = time.time()
+@dataclass
+class _Reference:
+    """What the merged model is checked against: the logits of the model training produced (the adapter over the
+    base as training held it: NF4 for a 4-bit run) on the check texts, and that model (the merge starts from it)."""
+
+    ids: list  # token ids of the check texts
+    trained: list  # logits of the trained model: adapter on the base training used (fp32 compute)
+    adapter_effect: float  # largest logit change the adapter makes to that base
+    scale: float  # max |logit| of `trained`
+    quantized: bool  # the base held 4-bit (NF4) layers
+    what: str  # the trained model, in words (README and messages)
+    model: object = None  # the trained model itself (peft), until the merge takes it
+
+
+def _base_for_merge(cfg: Config) -> tuple[str, object]:
+    """Step 1: the base's folder and config; ModelError for a base stored pre-quantised on disk."""
+    from transformers import AutoConfig
+
     base_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
     try:
         base_config = AutoConfig.from_pretrained(base_path)
@@ -285,80 +316,159 @@ def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "aut
         raise ModelError(f"the base {cfg.model.name!r} is stored pre-quantised ({method}); merging into quantised "
                          f"weights loses the adapter's precision. Point model.name at the full-precision model "
                          f"(--set model.name=...) and export again")
-    dtype = _target_dtype(dtype_name, base_config)
-    if cfg.model.load_in_4bit:
-        log.info("the run trained over a 4-bit base; merging into a float32 copy of the base instead")
-    tok = _load_base_tokenizer(base_path, cfg)  # with the chat template that renders the training prompts
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)  # full precision, CPU
-    model = load_peft_adapter(base, target.adapter)
-    model.eval()
+    return base_path, base_config
 
+
+def _trained_reference(cfg: Config, target: Target, tok, n_prompts: int) -> _Reference:
+    """Step 2: the trained model (the adapter on the base as training held it: NF4 for a 4-bit run; fp32 compute on
+    the CPU) and its logits on the check texts, also with the adapter disabled (how much the adapter changes the
+    model at all)."""
+    from ..model.loading import bnb_available, load_base
+    from ..runs.checkpoint import load_peft_adapter
+
+    if cfg.model.load_in_4bit and not bnb_available():
+        raise ModelError("the run trained over a 4-bit (NF4) base: exporting the model it trained needs "
+                         "bitsandbytes (pip install 'basis-lite[gpu]'); or pass --merge-into original to merge "
+                         "into the full-precision weights instead")
+    model = load_peft_adapter(load_base(cfg, torch.device("cpu"), torch.float32), target.adapter)
+    model.eval()
     texts = check_texts(cfg, tok, n_prompts)
     max_len = cfg.model.max_seq_length
     ids = [tok(t, return_tensors="pt", add_special_tokens=False).input_ids[:, -max_len:] for t in texts]
-    ref = logits(model, ids)
+    trained = logits(model, ids)
     with model.disable_adapter():
-        base_logits = logits(model, ids)
-    scale = max(float(r.abs().max()) for r in ref)
-    adapter_effect = max_abs_diff(ref, base_logits)
-    del base_logits
+        effect = max_abs_diff(trained, logits(model, ids))
+    quantized = bool(cfg.model.load_in_4bit)
+    what = "the NF4 base + adapter (fp32 compute)" if quantized else "base + adapter (fp32)"
+    return _Reference(ids, trained, effect, max(float(r.abs().max()) for r in trained), quantized, what, model)
 
+
+def _merged_model(cfg: Config, target: Target, base_path: str, ref: _Reference, merge_into: str):
+    """Step 3: the adapter merged in float32. Over a full-precision base: into the trained model itself. Over a
+    4-bit one: into a float32 copy of the base whose 4-bit layers hold the dequantised weights training computed
+    with (merge_into trained), or the base's original weights (original). Returns (merged model, the logits it must
+    reproduce, their label, the merge error, the gap to the trained model or None): merged into the trained
+    weights it must reproduce the trained model; into the original weights, base + adapter over those, and the gap
+    to the trained model is measured for the report."""
+    from transformers import AutoModelForCausalLM
+
+    from ..model.loading import dequantized_weights
+    from ..runs.checkpoint import load_peft_adapter
+
+    model, ref.model = ref.model, None
+    expect, label = ref.trained, ref.what
+    if ref.quantized:
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)  # full precision, CPU
+        if merge_into == "trained":
+            modules = dict(base.named_modules())
+            with torch.no_grad():
+                for name, w in dequantized_weights(model):  # one layer at a time
+                    modules[name].weight.copy_(w.view_as(modules[name].weight))
+        del model
+        model = load_peft_adapter(base, target.adapter)
+        model.eval()
+        if merge_into == "original":
+            log.info("merging into the base's original full-precision weights, not the NF4 weights the adapter "
+                     "was trained against")
+            expect, label = logits(model, ref.ids), "base + adapter over the original weights (fp32)"
     merged = _merge_adapter(model)
-    merge_err = max_abs_diff(ref, logits(merged, ids))
-    merge_tol = merge_tolerance(scale)
+    got = logits(merged, ref.ids)
+    merge_err = max_abs_diff(expect, got)
+    merge_tol = merge_tolerance(ref.scale)
     log.info("merge check (fp32): max |logit diff| %.3g (tolerance %.3g)", merge_err, merge_tol)
     if not merge_err <= merge_tol:
-        raise ModelError(f"export self-check FAILED before writing: the merged fp32 model differs from base + "
-                         f"adapter by up to {merge_err:.4g} logits (allowed {merge_tol:.3g}, fp32 noise only). "
-                         f"The merge is wrong (an adapter the merge does not support, e.g. LoRA on tied "
-                         f"embeddings?); use the adapter export instead (without --merged)")
-    tol = float(tolerance) if tolerance is not None else default_tolerance(dtype, scale)
-    # an adapter whose effect is below `tol` would pass the comparison with base + adapter even if it were lost
-    # on the way to disk; the fp32 merge check above and the exact reload check below still see that
-    log.info("adapter effect on the logits: %.3g (round-trip tolerance %.3g)", adapter_effect, tol)
+        raise ModelError(f"export self-check FAILED before writing: the merged fp32 model differs from {label} by up "
+                         f"to {merge_err:.4g} logits (allowed {merge_tol:.3g}, fp32 noise only). The merge is wrong "
+                         f"(an adapter the merge does not support, e.g. LoRA on tied embeddings?); use the adapter "
+                         f"export instead (without --merged)")
+    gap = None
+    if ref.quantized and merge_into == "original":
+        gap = {"max_abs_diff": max_abs_diff(ref.trained, got), "argmax_agreement": _argmax_agreement(ref.trained, got)}
+    return merged, expect, label, merge_err, gap
 
-    # the weights exactly as they will be stored, computed in fp32: what the reloaded folder must reproduce
-    # (parameters only: non-persistent buffers such as rotary frequencies are recomputed in fp32 on reload)
+
+def _argmax_agreement(a: list, b: list) -> float:
+    same = sum(int((x.argmax(-1) == y.argmax(-1)).sum()) for x, y in zip(a, b))
+    return same / max(1, sum(x.shape[0] for x in a))
+
+
+def _rounded(merged, dtype: torch.dtype, ids: list) -> list:
+    """Step 4 (in memory): the weights exactly as they will be stored, computed in fp32: what the reloaded folder
+    must reproduce (parameters only: non-persistent buffers such as rotary frequencies are recomputed in fp32 on
+    reload). Leaves `merged` in `dtype`."""
     for p in merged.parameters():
         p.data = p.data.to(dtype).to(torch.float32)  # rounding happens in the first cast; the second is exact
-    rounded = logits(merged, ids)
-    rounding_err = max_abs_diff(ref, rounded)
-    merged = merged.to(dtype)
+    out = logits(merged, ids)
+    merged.to(dtype)
     if hasattr(merged.config, "quantization_config"):
         del merged.config.quantization_config
-    n_params = sum(p.numel() for p in merged.parameters())
-    est_bytes = n_params * torch.tensor([], dtype=dtype).element_size() + (64 << 20)
-    need_space(out, est_bytes)
+    return out
 
-    with Staging(out) as tmp:
+
+def _verify_saved(tmp: Path, dtype: torch.dtype, expect: list, rounded: list, ids: list, tol: float,
+                  merge_tol: float, n_params: int) -> tuple[float, float]:
+    """Step 5: the folder as written: every tensor in `dtype`, no LoRA tensors, and reloaded with plain transformers
+    its logits within `tol` of `expect` and equal (up to `merge_tol`) to the rounded weights' in memory. Returns
+    (max |logit diff| to `expect`, to the rounded weights)."""
+    from transformers import AutoModelForCausalLM
+
+    dtypes, lora_keys = _saved_tensor_info(tmp)
+    if not dtypes:
+        raise ModelError(f"export self-check FAILED: no safetensors weights were written to {tmp}")
+    if lora_keys:
+        raise ModelError(f"export self-check FAILED: the merged weights still hold LoRA tensors ({lora_keys[:3]}...)")
+    if dtypes != {SAFETENSORS_DTYPE[dtype]}:
+        raise ModelError(f"export self-check FAILED: weights saved as {sorted(dtypes)}, expected "
+                         f"{SAFETENSORS_DTYPE[dtype]}")
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)  # plain transformers
+    got = logits(reloaded, ids)
+    del reloaded
+    _collect(n_params)
+    return max_abs_diff(expect, got), max_abs_diff(rounded, got)
+
+
+def export_merged(cfg: Config, target: Target, out: Path, dtype_name: str = "auto",
+                  tolerance: float | None = None, n_prompts: int = CHECK_PROMPTS, merge_into: str = "trained") -> dict:
+    """The merged export, in the steps of this module's docstring. `merge_into`: trained (the weights the adapter
+    was trained against: the dequantised NF4 weights of a 4-bit run) or original (the base's full-precision
+    weights; for a 4-bit run the report gives the measured gap to the trained model)."""
+    if merge_into not in MERGE_INTO:
+        raise ConfigError(f"--merge-into: {merge_into!r} is not accepted; choose one of {', '.join(MERGE_INTO)}")
+    t0 = time.time()
+    base_path, base_config = _base_for_merge(cfg)
+    dtype = _target_dtype(dtype_name, base_config)
+    tok = _load_base_tokenizer(base_path, cfg)  # with the chat template that renders the training prompts
+    ref = _trained_reference(cfg, target, tok, n_prompts)
+    merged, expect, label, merge_err, gap = _merged_model(cfg, target, base_path, ref, merge_into)
+    merge_tol = merge_tolerance(ref.scale)
+    tol = float(tolerance) if tolerance is not None else default_tolerance(dtype, ref.scale)
+    # an adapter whose effect is below `tol` would pass the comparison with the reference even if it were lost on
+    # the way to disk; the fp32 merge check above and the exact reload check below still see that
+    log.info("adapter effect on the logits: %.3g (round-trip tolerance %.3g)", ref.adapter_effect, tol)
+    rounded = _rounded(merged, dtype, ref.ids)
+    rounding_err = max_abs_diff(expect, rounded)
+    n_params = sum(p.numel() for p in merged.parameters())
+    need_space(out, n_params * torch.tensor([], dtype=dtype).element_size() + (64 << 20))
+
+    with Staging(out) as tmp:  # step 6: renamed to `out` only when every check passed
         _save_model(merged, tok, tmp)
-        del merged, model, base
+        del merged
         _collect(n_params)
-        dtypes, lora_keys = _saved_tensor_info(tmp)
-        if not dtypes:
-            raise ModelError(f"export self-check FAILED: no safetensors weights were written to {tmp}")
-        if lora_keys:
-            raise ModelError(f"export self-check FAILED: the merged weights still hold LoRA tensors "
-                             f"({lora_keys[:3]}...)")
-        if dtypes != {SAFETENSORS_DTYPE[dtype]}:
-            raise ModelError(f"export self-check FAILED: weights saved as {sorted(dtypes)}, expected "
-                             f"{SAFETENSORS_DTYPE[dtype]}")
-        reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)  # plain transformers
-        got = logits(reloaded, ids)
-        del reloaded
-        _collect(n_params)
-        diff = max_abs_diff(ref, got)
-        roundtrip_err = max_abs_diff(rounded, got)
+        diff, roundtrip_err = _verify_saved(tmp, dtype, expect, rounded, ref.ids, tol, merge_tol, n_params)
         check = {"max_abs_diff": diff, "tolerance": tol, "tolerance_rule": "given with --tolerance"
                  if tolerance is not None else f"({ROUNDING_FACTOR}*u + 2^-13) * max|logit|, "
-                 f"u={UNIT_ROUNDOFF[dtype]:.3g}", "max_abs_logit": scale, "merge_max_abs_diff": merge_err,
+                 f"u={UNIT_ROUNDOFF[dtype]:.3g}", "max_abs_logit": ref.scale, "merge_max_abs_diff": merge_err,
                  "merge_tolerance": merge_tol, "rounding_max_abs_diff": rounding_err,
                  "roundtrip_max_abs_diff": roundtrip_err, "roundtrip_tolerance": merge_tol,
-                 "adapter_effect": adapter_effect, "saved_dtype": SAFETENSORS_DTYPE[dtype], "prompts": len(ids),
-                 "positions": sum(x.shape[1] for x in ids)}
+                 "adapter_effect": ref.adapter_effect, "saved_dtype": SAFETENSORS_DTYPE[dtype], "prompts": len(ref.ids),
+                 "positions": sum(x.shape[1] for x in ref.ids), "reference": label,
+                 "merged_into": (merge_into if ref.quantized else "trained (a full-precision base: the original "
+                                                                   "weights)")}
+        if gap is not None:
+            check["gap_to_trained"] = gap
         if not diff <= tol:
-            raise ModelError(f"export self-check FAILED: the saved model's logits differ from base + adapter by up "
-                             f"to {diff:.4g} (tolerance {tol:.3g}, max |logit| {scale:.3g}; rounding to "
+            raise ModelError(f"export self-check FAILED: the saved model's logits differ from {label} by up to "
+                             f"{diff:.4g} (tolerance {tol:.3g}, max |logit| {ref.scale:.3g}; rounding to "
                              f"{SAFETENSORS_DTYPE[dtype]} alone accounts for {rounding_err:.3g}); nothing was "
                              f"written to {out}. If that is rounding (a very deep model), retry with "
                              f"--dtype float32 or a larger --tolerance")
@@ -454,12 +564,23 @@ DIR --merged`. Evaluate with `basis-lite eval {out}`.
 
 def _merged_readme(cfg: Config, target: Target, out: Path, report: dict) -> str:
     c = report["check"]
+    if c["merged_into"] == "trained" and cfg.model.load_in_4bit:
+        into = ("a float32 copy of the base holding the dequantised NF4 weights the adapter was trained against (the "
+                "model training produced, not the original weights)")
+    elif c["merged_into"] == "original":
+        gap = c["gap_to_trained"]
+        into = (f"a float32 copy of the base's ORIGINAL full-precision weights (`--merge-into original`); the run "
+                f"trained over NF4 weights, and this model differs from the trained one (NF4 base + adapter) by up "
+                f"to {gap['max_abs_diff']:.4g} logits, same argmax at {100 * gap['argmax_agreement']:.1f}% of the "
+                f"positions")
+    else:
+        into = "a float32 copy of the base"
     return f"""# Merged model (basis-lite export)
 
 {run_line(cfg, target.run_dir)}
 
-The LoRA adapter `{target.adapter}` was merged into a float32 copy of the base and saved as {report['dtype']}
-safetensors with the base tokenizer and the chat template training used. It loads in plain transformers or vLLM; no peft needed.
+The LoRA adapter `{target.adapter}` was merged into {into}, and saved as {report['dtype']} safetensors with the base
+tokenizer and the chat template training used. It loads in plain transformers or vLLM; no peft needed.
 
 ## Load
 
@@ -476,9 +597,8 @@ vLLM: `vllm serve {out}` or `vllm.LLM(model="{out}")`.
 
 ## Self-check at export
 
-Reloaded with `AutoModelForCausalLM.from_pretrained` (float32 compute) and compared with base + adapter (float32,
-unmerged) on {c['prompts']} chat-templated eval questions ({c['positions']} positions): max |logit diff|
+Reloaded with `AutoModelForCausalLM.from_pretrained` (float32 compute) and compared with {c['reference']},
+unmerged, on {c['prompts']} chat-templated eval questions ({c['positions']} positions): max |logit diff|
 {c['max_abs_diff']:.4g}, tolerance {c['tolerance']:.4g} ({c['tolerance_rule']}), max |logit| {c['max_abs_logit']:.4g}.
 The merged float32 model before rounding differed by {c['merge_max_abs_diff']:.3g}. Details in `{EXPORT_REPORT}`.
 """
-

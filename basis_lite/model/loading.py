@@ -280,12 +280,9 @@ def disable_bnb_cpu_packing(model) -> int:
     return n
 
 
-def load_policy(cfg, device: torch.device, dtype: torch.dtype, adapter_path: str | None = None):
-    """Load base + LoRA for the hf backend. Returns (peft_model, tokenizer).
-
-    `adapter_path` loads a saved adapter as trainable (resume) instead of a fresh one.
-    """
-    from peft import LoraConfig, get_peft_model
+def load_base(cfg, device: torch.device, dtype: torch.dtype):
+    """The frozen base model as training holds it: model.name in `dtype`, or with model.load_in_4bit bitsandbytes
+    NF4 (double quantization, compute dtype `dtype`; on the CPU with `disable_bnb_cpu_packing`). Not trainable."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
@@ -310,11 +307,37 @@ def load_policy(cfg, device: torch.device, dtype: torch.dtype, adapter_path: str
         model.to(device)
     elif device.type == "cpu":
         disable_bnb_cpu_packing(model)
-    contiguous_head_input(model)
-    tok = load_tokenizer(path)
-    model.config.use_cache = True
     for p in model.parameters():
         p.requires_grad_(False)
+    return model
+
+
+def dequantized_weights(model):
+    """Yield (module name, float32 weight) for every bitsandbytes 4-bit layer of `model` (a peft model or a plain
+    one; names as in the plain base, `.base_layer` dropped): the weights those layers compute with, one layer at a
+    time. Nothing without 4-bit layers."""
+    if not bnb_available():
+        return
+    import bitsandbytes as bnb
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name, m in base.named_modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            yield name.replace(".base_layer", ""), bnb.functional.dequantize_4bit(m.weight.data,
+                                                                                 m.weight.quant_state).float()
+
+
+def load_policy(cfg, device: torch.device, dtype: torch.dtype, adapter_path: str | None = None):
+    """Load base + LoRA for the hf backend. Returns (peft_model, tokenizer).
+
+    `adapter_path` loads a saved adapter as trainable (resume) instead of a fresh one.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    model = load_base(cfg, device, dtype)
+    contiguous_head_input(model)
+    tok = load_tokenizer(resolve_model_path(cfg.model.name, cfg.model.cache_dir))
+    model.config.use_cache = True
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
