@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from .config import Config, save_config, to_dict, validate
 from .data import PromptSampler, format_prompt, load_examples
+from .engines import select_engine
 from .engines.base import params_from_config
 from .engines.seeded import stream_seed
 from .errors import Interrupted, TrainingAborted
@@ -40,6 +41,7 @@ from .rewards.scorer import RewardScorer, column_names, example_columns
 from .rewards.worker import TrainerState
 from .rl import distributed
 from .rl.evaluate import evaluate
+from .rl.guard import check_rollouts
 from .rl.priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
 from .rl.state import RunState, checkpoint_state, fresh_learning_state, resume_from, stored_decisions
 from .rl.step import Step
@@ -212,10 +214,16 @@ def rollout_step(run: RunState, n: int) -> Step:
     rollouts = rollout(run, mine, n, first=ranks.bounds(len(batch))[0])
     gen_s = time.time() - t0
     maybe_kill("generation", n)
+    # the engine generated with the adapter being trained, or the run stops here (TrainingAborted)
+    spec = select_engine(run.cfg, run.decided.backend if run.decided else "hf", run.device.type)
+    guard = check_rollouts(run.cfg, run.model, run.engine, spec, rollouts, n, run.tok.pad_token_id, ranks,
+                           run.run_dir)
     rewards, scored = score(run, mine, rollouts)
-    return Step.of_rank(n, batch, mine, rollouts, rewards, scored, uses_features=run.uses_features,
+    step = Step.of_rank(n, batch, mine, rollouts, rewards, scored, uses_features=run.uses_features,
                         uses_trajectory=run.uses_trajectory, generation_s=gen_s,
                         reward_warnings=run.scorer.warning_count, started=started).gathered(ranks)
+    step.guard_metrics = guard
+    return step
 
 
 def rollout(run: RunState, batch, step: int = 0, first: int = 0) -> list:

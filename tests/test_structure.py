@@ -48,7 +48,7 @@ LAYERS = [
         "": ["plan"],
         "model": ["loading", "unsloth", "dtypes"],
         "engines": ["base", "hf", "seeded", "trajectory", "vllm", "vllm_weights", "fast_cpu", "eapo"],
-        "rl": ["distributed", "update", "step"],
+        "rl": ["distributed", "update", "step", "guard"],
         "runs": ["checkpoint", "folder"],
         "export": ["check"],
     }),

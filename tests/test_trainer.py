@@ -29,7 +29,8 @@ from basis_lite.runs import checkpoint as ckpt
 SMOKE_STEP_KEYS = {
     "accuracy", "advantage_std", "baseline_mean", "clip_fraction", "completion_len", "engine_log_ratio_max",
     "engine_log_ratio_mean", "entropy", "explained_variance", "explained_variance_loo_ref", "format_rate",
-    "generation_s", "grad_norm", "kl", "loss", "lr", "peak_memory_mb", "reward_mean", "reward_warnings", "skipped",
+    "generation_s", "grad_norm", "guard_adapter_shift", "guard_base_distance", "guard_mismatch", "kl", "loss", "lr",
+    "peak_memory_mb", "reward_mean", "reward_warnings", "skipped",
     "step", "tokens_per_s", "trained_sequences", "training_s", "update_norm", "zero_update"}
 
 

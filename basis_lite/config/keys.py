@@ -165,6 +165,12 @@ class GenerationConfig:
                                     "layers written into vLLM's weights, TRL colocate style; vLLM then runs without "
                                     "LoRA) | auto (merged on a CPU in float32, lora otherwise and always with "
                                     "Unsloth's engine)", choices=("auto", "lora", "merged"))
+    guard_max_mismatch: float = setting(0.25, "rollout guard, every step: stop when the engine's log-probs differ "
+                                        "from the trainer's by more than this (mean per token, nats), or sit at the "
+                                        "base model's while the adapter has moved (docs/reliability.md); 0 = guard "
+                                        "off", range=NONNEG)
+    guard_check_every: int = setting(10, "rollout guard for an engine that reports no log-probs: a spot check every N "
+                                     "steps (0 = never)", range=Range(0, 10_000_000))
 
 
 def _check_generation(cfg: Config) -> None:

@@ -69,6 +69,8 @@ class EngineSpec:
     own_base_copy: gpu_share: vLLM holds its own 16-bit copy of the base inside its share.
     weight_copies: kv_cache: fused copies of the linear weights exist during rollouts (the fast CPU path).
     standby: gpu_share: model.unsloth_standby frees its KV cache while training.
+    guard_fix: what the rollout guard (rl/guard.py) tells the user when this engine's rollouts do not come from the
+        adapter being trained.
     """
 
     name: str
@@ -88,6 +90,7 @@ class EngineSpec:
     own_base_copy: bool = False
     weight_copies: bool = False
     standby: bool = False
+    guard_fix: str = "set generation.engine=hf"
 
     @property
     def value(self) -> str:
@@ -225,18 +228,25 @@ def _unsloth_applies(cfg, backend: str, device_type: str) -> bool:
 register(EngineSpec(
     "hf", summary="the training model's generate",
     description="hf (the training model's generate(); KV cache freed before the update)",
-    eapo=True, shares_model=True))
+    eapo=True, shares_model=True,
+    guard_fix="the rollouts came from a model other than the one being trained: check code that copies the model "
+              "or disables its adapter around generation"))
 register(EngineSpec(
     "fast_cpu", choice="hf", when=_fast_cpu_applies,
     description="hf with the fast CPU path (weight copies during rollouts, freed before the update)",
-    eapo=True, shares_model=True, weight_copies=True))
+    eapo=True, shares_model=True, weight_copies=True,
+    guard_fix="set generation.fast_cpu=off (transformers' generate() on the training model) and report it"))
 register(EngineSpec(
     "vllm", summary="in-process; through Unsloth on a GPU",
     description="plain vLLM (a second, unquantised copy of the base; LoRA pushed from disk each step)",
-    mismatch_correction=True, requires=("vllm",), install=VLLM_INSTALL, memory="gpu_share", own_base_copy=True))
+    mismatch_correction=True, requires=("vllm",), install=VLLM_INSTALL, memory="gpu_share", own_base_copy=True,
+    guard_fix="set generation.vllm_weight_sync to the other of lora and merged (merged: CPU, float32), or "
+              "generation.engine=hf"))
 register(EngineSpec(
     "unsloth_vllm", choice="vllm", when=_unsloth_applies,
     description="vllm through Unsloth fast_inference (base weights shared with training)",
     mismatch_correction=True, needs_gpu=True, requires=("vllm",), install=VLLM_INSTALL, memory="gpu_share",
-    standby=True))
+    standby=True,
+    guard_fix="install the pinned Unsloth (pip install 'basis-lite[unsloth]'), or set model.fast_inference=false "
+              "or generation.engine=hf"))
 

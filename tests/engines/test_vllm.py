@@ -38,7 +38,10 @@ What is checked (the first two with generation.vllm_weight_sync=lora: a LoRA req
   * `basis-lite train` end to end with generation.engine=vllm (auto: merged weights) (1 step on SmolLM2), the mismatch correction on by
     default there, and the engine/trainer log-ratio in its metrics;
   * that run's merged export (`basis-lite export --merged`) served by vLLM: `LLM.chat` renders the training prompt
-    with the exported chat template, and greedy vLLM output equals transformers' greedy output on the same folder.
+    with the exported chat template, and greedy vLLM output equals transformers' greedy output on the same folder;
+  * the rollout guard (basis_lite/rl/guard.py) with each plain engine's weight hand-off sabotaged (merged: nothing
+    written into vLLM; lora: the first LoRA request kept for ever): `basis-lite train` stops at step 2, the first
+    step whose adapter is not the fresh one, with exit 2 and a message naming the engine and the fix.
 Not checked here: the Unsloth fast_inference engine (GPU only) and vLLM on a GPU.
 """
 from __future__ import annotations
@@ -356,3 +359,42 @@ def test_merged_export_generates_the_same_greedy_text_in_vllm_as_in_transformers
         assert list(o.prompt_token_ids) == ids, "vLLM's chat prompt is not the training prompt"
         assert _until_stop(list(o.outputs[0].token_ids), set(stops)) == h, (o.outputs[0].text, tok.decode(h))
     assert any(len(h) > 3 for h in hf)  # real completions, not an immediate stop
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the rollout guard, with the engines' weight hand-off sabotaged where the real code hands the adapter over
+
+GUARD = SETTINGS + ["train.steps=3", "train.lr=0.02", "train.warmup_steps=0", "train.save_every=1", "data.eval_size=4",
+                    "train.eval_batch_size=4", "train.eval_max_new_tokens=8", "estimator.prior_samples=0",
+                    "train.threads=2", "reward.timeout_s=0", "reward.require_boxed=false",
+                    "reward.functions=[tests.reward_fns:char_sum_reward]"]
+
+
+@pytest.mark.parametrize("weight_sync", ["merged", "lora"])
+def test_rollout_guard_stops_a_vllm_engine_that_serves_the_base(tmp_path, monkeypatch, capsys, weight_sync):
+    """merged: `vllm_weights.load_fused_linears` writes nothing, so vLLM keeps the base weights; lora:
+    `PlainVLLMEngine.sync` keeps the first LoRA request (the fresh adapter: the base) for ever. Step 1 is right (the
+    adapter is still the base); the run stops at step 2 with exit 2, and step 2 is not logged."""
+    from basis_lite.engines import vllm_weights
+    from basis_lite.engines.vllm import PlainVLLMEngine, adapter_version
+
+    if weight_sync == "merged":
+        monkeypatch.setattr(vllm_weights, "load_fused_linears", lambda vm, groups: 0)
+    else:
+        real_sync = PlainVLLMEngine.sync
+
+        def first_request_only(self, model=None):
+            if self.lora_request is None:
+                real_sync(self, model)
+            self._synced_version = adapter_version(self.model)
+
+        monkeypatch.setattr(PlainVLLMEngine, "sync", first_request_only)
+    monkeypatch.setattr(tempfile, "tempdir", _TMP)
+    run = tmp_path / "run"
+    rc = cli_main("train", "--preset", "cpu-smollm2-arith", *sets(GUARD + [f"generation.vllm_weight_sync={weight_sync}"]),
+                  "--output", str(run), "--no-progress")
+    err = capsys.readouterr().err
+    assert rc == 2, err[-2000:]
+    assert "rollout guard, step 2: the vllm engine generated from the BASE model" in err
+    assert "Fix: set generation.vllm_weight_sync to the other of lora and merged" in err
+    assert [r["step"] for r in step_records(run)] == [1]
