@@ -36,7 +36,7 @@ from .engines.seeded import stream_seed
 from .errors import Interrupted, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
 from .faults import maybe_kill
-from .model.loading import cache_root, count_parameters, reset_peak_memory
+from .model.loading import cache_root, count_parameters, peak_memory_mb
 from .rewards.scorer import RewardScorer, column_names, example_columns
 from .rewards.worker import TrainerState
 from .rl import distributed
@@ -204,7 +204,6 @@ def rollout_step(run: RunState, n: int) -> Step:
     """Step n's record: the global batch drawn, this rank's share generated (its own sampling streams with
     generation.rng per_prompt) and scored, then gathered over the ranks (one process: the same path)."""
     started = time.time()
-    reset_peak_memory(run.device)  # the peak memory of this step's record (Step.metrics) is this step's own
     batch = next(run.sampler)  # the global batch: the same on every rank
     ranks = run.ranks
     mine = ranks.shard(batch)
@@ -414,6 +413,7 @@ def finish(run: RunState, t_start: float) -> dict:
         run.summary["ranks"] = run.ranks.world
     run.summary.update({"adapter": str(final), "steps": cfg.train.steps, "seconds": time.time() - t_start,
                         "reward_warnings": reward_warnings})
+    run.summary["peak_memory_mb"] = run.ranks.max([peak_memory_mb(run.device)])[0]  # the whole job's, so far
     if not run.ranks.is_main:  # rank 0 writes the adapter and the summary
         return run.summary
     tmp = run.run_dir / ".tmp-adapter"

@@ -24,6 +24,7 @@ from conftest import (
     train_smoke,
 )
 
+from basis_lite import trainer
 from basis_lite.runs import checkpoint as ckpt
 
 SMOKE_STEP_KEYS = {
@@ -167,6 +168,40 @@ def test_other_estimators_run(tmp_path, estimator, extra):
     if estimator == "reinforce_pp":  # global whitening
         assert r["advantage_std"] == pytest.approx(1.0, rel=1e-3)
     assert (run / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_the_reported_peak_is_the_whole_jobs(tmp_path, monkeypatch):
+    """No step resets the kernel's resident-set high-water mark any more: a job whose first phase (here, the eval
+    before training) allocates far more than its steps reports that first peak in every later step line and in
+    summary.json, as `time -v` and ru_maxrss would (the trainer used to clear it at each step's start through
+    /proc/self/clear_refs, which hid the first phase and reset what those tools report)."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("reads VmRSS and VmHWM from /proc (Linux)")
+
+    def rss_mb(field):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError(field)
+
+    real, seen = trainer.run_eval, {}
+
+    def eval_with_a_big_phase(run, desc):
+        if not seen:
+            seen["rss"] = rss_mb("VmRSS")
+            big = torch.ones(100 * 2**20, dtype=torch.uint8)  # 100 MiB written, so resident, then freed
+            seen["during"] = rss_mb("VmRSS")
+            del big
+        return real(run, desc)
+
+    monkeypatch.setattr(trainer, "run_eval", eval_with_a_big_phase)
+    run = _train(tmp_path, "peak", VARIED + ["train.steps=2", "train.save_every=100"])
+    assert seen["during"] - seen["rss"] > 90  # the allocation really was resident
+    summary = json.loads((run / "summary.json").read_text())
+    recs = step_records(run)
+    assert all(r["peak_memory_mb"] >= seen["during"] - 1 for r in recs)
+    assert summary["peak_memory_mb"] >= seen["during"] - 1
+    assert summary["peak_memory_mb"] == pytest.approx(rss_mb("VmHWM"), abs=50)
 
 
 def test_same_seed_same_run_whether_or_not_the_prior_is_cached(tmp_path):

@@ -476,21 +476,6 @@ def count_parameters(model) -> tuple[int, int]:
     return trainable, total
 
 
-def reset_peak_memory(device: torch.device) -> bool:
-    """Start a new peak-memory window (the trainer calls it at each step's start): CUDA's peak-allocation counter,
-    or on Linux the process's resident-set high-water mark (writing 5 to /proc/self/clear_refs resets VmHWM).
-    False where nothing could be reset (then `peak_memory_mb` keeps giving the process's peak)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return True
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _vm_hwm_kib() -> int | None:
     try:
         with open("/proc/self/status") as f:
@@ -519,8 +504,10 @@ def release_memory() -> None:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory in MiB since the last `reset_peak_memory` (or since the process started): CUDA's peak allocated
-    bytes on a GPU; the resident set's high-water mark (VmHWM) on Linux; the process's max RSS elsewhere."""
+    """The process's peak memory in MiB since it started: CUDA's peak allocated bytes on a GPU; the resident set's
+    high-water mark (VmHWM) on Linux; the process's max RSS elsewhere. Nothing in the package resets these counters
+    (writing to /proc/self/clear_refs would also reset what `ru_maxrss` and `time -v` report), so a run's value is
+    the whole job's peak up to now."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     hwm = _vm_hwm_kib()

@@ -122,7 +122,8 @@ class Step:
 
     def metrics(self, run: RunState, stats: dict, ok: bool) -> dict:
         """The metrics.jsonl line of the step, over the global batch; peak memory is read here, once per step (the
-        largest rank's); under torchrun also the rank count and the gather and all-reduce timings."""
+        largest rank's peak since its process started: the kernel's high-water mark is never reset); under torchrun
+        also the rank count and the gather and all-reduce timings."""
         ranks = run.ranks
         r_flat = self.rewards.view(-1)
         comp_tokens = sum(self.completion_lens)

@@ -346,27 +346,24 @@ def test_explained_variance_chart_draws_the_leave_one_out_reference(with_field):
         assert list(refs[0].get_ydata()) == pytest.approx([1 - (8 / 7) ** 2] * 2)
 
 
-def test_peak_memory_is_the_windows_own_peak():
-    """After reset_peak_memory the CPU peak no longer holds an earlier, larger allocation (Linux: VmHWM reset).
-    Run in a fresh interpreter: in a process that earlier tests grew, the allocator can serve the 160 MiB from
-    memory that is already resident, and the resident set does not move."""
+def test_peak_memory_keeps_an_earlier_larger_allocation():
+    """peak_memory_mb is the process's peak since it started: after 160 MiB are freed it still reports them
+    (nothing in the package resets the kernel's high-water mark). Run in a fresh interpreter: in a process that
+    earlier tests grew, the allocator can serve the 160 MiB from memory that is already resident."""
     import json
     import subprocess
     import sys
 
     code = (
         "import json, torch\n"
-        "from basis_lite.model.loading import peak_memory_mb, reset_peak_memory\n"
+        "from basis_lite.model.loading import peak_memory_mb\n"
         "cpu = torch.device('cpu')\n"
-        "ok = reset_peak_memory(cpu)\n"
+        "start = peak_memory_mb(cpu)\n"
         "big = torch.ones(40 * 2**20)\n"  # 160 MiB, touched
         "high = peak_memory_mb(cpu)\n"
         "del big\n"
-        "reset_peak_memory(cpu)\n"
-        "print(json.dumps([ok, high, peak_memory_mb(cpu)]))\n"
+        "print(json.dumps([start, high, peak_memory_mb(cpu)]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    ok, high, low = json.loads(out.stdout.strip().splitlines()[-1])
-    if not ok:
-        pytest.skip("this system cannot reset the resident-set high-water mark")
-    assert high - low > 100, (high, low)
+    start, high, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert high - start > 100 and after >= high - 1, (start, high, after)  # (the kernel updates it lazily)
