@@ -175,7 +175,9 @@ def load_prior(run: RunState, train_ex) -> None:
     """The offline prior: K reference rollouts per training prompt, cached across runs.
 
     Computing it draws samples, loading it from the cache does not: the RNG is restored afterwards, so the same
-    seed gives the same run with a cold or a warm cache.
+    seed gives the same run with a cold or a warm cache. The samples' tokens count in the run's cost
+    (`reference_tokens`, `reference_prompt_tokens`) whether this run drew them or read them from the cache
+    (`prior_cached` says which).
     """
     cfg = run.cfg
     rng_before = ckpt.rng_state()
@@ -190,6 +192,8 @@ def load_prior(run: RunState, train_ex) -> None:
     ckpt.set_rng_state(rng_before)
     run.summary["prior_seconds"] = run.prior_table.get("seconds", 0.0)
     run.summary["prior_cached"] = run.prior_table["cached"]
+    run.totals["reference_tokens"] = int(run.prior_table.get("generated_tokens", 0))
+    run.totals["reference_prompt_tokens"] = int(run.prior_table.get("prompt_tokens", 0))
 
 
 def _config_text(run: RunState) -> str:
@@ -328,6 +332,11 @@ def _update(run: RunState, step: Step):
 
 def log_step(run: RunState, bar, step: Step, stats: dict, ok: bool) -> None:
     """The step's metrics.jsonl line and its one-line report; the step counts as done from here."""
+    for key, value in step.costs(stats).items():
+        run.totals[key] += value
+    run.totals["generation_s"] += step.generation_s
+    for key in ("training_s", "forward_s", "logprob_s", "backward_s", "optimizer_s"):
+        run.totals[key] += getattr(step, key, 0.0) + stats.get(key, 0.0)
     rec = step.metrics(run, stats, ok)
     run.metrics.step(rec)
     report_step(run, bar, rec)
@@ -359,9 +368,12 @@ def _loo_ref(rec: dict) -> str:
 
 def step_line(rec: dict) -> str:
     """The one-line report of a step; a step that left the adapter unchanged says so and why."""
+    logp = f" logp {rec['logprob_s']:.1f}s" if rec.get("logprob_s") else ""
     line = (f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
             f"baseline {rec['baseline_mean']:.3f} | EV {rec['explained_variance']:+.2f}{_loo_ref(rec)} | "
-            f"len {rec['completion_len']:.0f} | gen {rec['generation_s']:.1f}s train {rec['training_s']:.1f}s")
+            f"len {rec['completion_len']:.0f} | gen {rec['generation_s']:.1f}s train {rec['training_s']:.1f}s "
+            f"(fwd {rec.get('forward_s', 0.0):.1f}s{logp} bwd {rec.get('backward_s', 0.0):.1f}s "
+            f"opt {rec.get('optimizer_s', 0.0):.1f}s)")
     if rec.get("zero_update"):
         if rec.get("skipped"):
             why = "non-finite loss, step skipped"
@@ -412,7 +424,7 @@ def finish(run: RunState, t_start: float) -> dict:
     if run.ranks.active:
         run.summary["ranks"] = run.ranks.world
     run.summary.update({"adapter": str(final), "steps": cfg.train.steps, "seconds": time.time() - t_start,
-                        "reward_warnings": reward_warnings})
+                        "reward_warnings": reward_warnings, **run.totals})
     run.summary["peak_memory_mb"] = run.ranks.max([peak_memory_mb(run.device)])[0]  # the whole job's, so far
     if not run.ranks.is_main:  # rank 0 writes the adapter and the summary
         return run.summary

@@ -32,7 +32,11 @@ SMOKE_STEP_KEYS = {
     "engine_log_ratio_mean", "entropy", "explained_variance", "explained_variance_loo_ref", "format_rate",
     "generation_s", "grad_norm", "guard_adapter_shift", "guard_base_distance", "guard_mismatch", "kl", "loss", "lr",
     "peak_memory_mb", "reward_mean", "reward_warnings", "skipped",
-    "step", "tokens_per_s", "trained_sequences", "training_s", "update_norm", "zero_update"}
+    "step", "tokens_per_s", "trained_sequences", "training_s", "update_norm", "zero_update",
+    "forward_s", "logprob_s", "backward_s", "optimizer_s", "prompt_tokens", "generated_tokens", "trained_tokens",
+    "forward_only_tokens", "cum_prompt_tokens", "cum_generated_tokens", "cum_trained_tokens",
+    "cum_forward_only_tokens", "cum_reference_tokens"}
+COSTS = ("prompt_tokens", "generated_tokens", "trained_tokens", "forward_only_tokens")
 
 
 def _train(tmp_path, name, overrides) -> Path:
@@ -157,7 +161,8 @@ def test_kl_to_reference_is_zero_at_start_and_positive_after_an_update(tmp_path)
     assert recs[1]["kl"] > 0 and math.isfinite(recs[1]["kl"])
 
 
-@pytest.mark.parametrize("estimator,extra", [("reinforce_pp", []), ("grpo", ["estimator.rollouts_per_prompt=2"])])
+@pytest.mark.parametrize("estimator,extra", [("reinforce_pp", []), ("grpo", ["estimator.rollouts_per_prompt=2"]),
+                                             ("rloo", ["estimator.rollouts_per_prompt=2", "estimator.normalize=always"])])
 def test_other_estimators_run(tmp_path, estimator, extra):
     run = _train(tmp_path, estimator, VARIED + ["train.steps=1", "train.save_every=100", "train.batch_size=4",
                                                 f"estimator.name={estimator}"] + extra)
@@ -165,9 +170,37 @@ def test_other_estimators_run(tmp_path, estimator, extra):
     assert not r["skipped"] and math.isfinite(r["loss"]) and r["grad_norm"] > 0
     # both use the batch (reinforce_pp) or group (grpo) mean as baseline: its mean is the mean reward
     assert r["baseline_mean"] == pytest.approx(r["reward_mean"], abs=1e-6)
-    if estimator == "reinforce_pp":  # global whitening
+    if estimator == "reinforce_pp" or "estimator.normalize=always" in extra:  # global whitening; RLOO / batch std
         assert r["advantage_std"] == pytest.approx(1.0, rel=1e-3)
     assert (run / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_costs_and_time_split_per_step_in_total_and_in_the_summary(tmp_path):
+    """Each step line counts what the step processed, independent of the machine (prompt tokens of every rollout,
+    generated tokens, tokens trained forward + backward, forward-only tokens of the reference's log-probs for the KL
+    term), the running totals (cum_*, the K=2 reference samples' tokens included), and splits the update's time;
+    summary.json holds the totals."""
+    run = _train(tmp_path, "costs", VARIED + ["train.steps=2", "train.save_every=100", "train.kl_coef=0.1",
+                                             "estimator.prior_samples=2"])
+    recs = step_records(run)
+    summary = json.loads((run / "summary.json").read_text())
+    for i, r in enumerate(recs):
+        n = r["trained_sequences"]
+        assert n == 8  # every rollout trained (varied rewards, BASIS normalized): all of its tokens went through
+        assert r["generated_tokens"] == round(r["completion_len"] * 8) > 0
+        assert r["trained_tokens"] == r["prompt_tokens"] + r["generated_tokens"] == r["forward_only_tokens"]
+        for k in COSTS:
+            assert r[f"cum_{k}"] == sum(x[k] for x in recs[:i + 1])
+        assert r["cum_reference_tokens"] == summary["reference_tokens"] > 0
+        parts = r["forward_s"] + r["logprob_s"] + r["backward_s"] + r["optimizer_s"]
+        assert all(r[k] > 0 for k in ("forward_s", "logprob_s", "backward_s", "optimizer_s"))
+        assert parts <= r["training_s"]
+    assert summary["reference_prompt_tokens"] > 0
+    for k in COSTS:
+        assert summary[k] == recs[-1][f"cum_{k}"]
+    for k in ("generation_s", "training_s", "forward_s", "logprob_s", "backward_s", "optimizer_s"):
+        assert summary[k] == pytest.approx(sum(r[k] for r in recs), rel=1e-9)
+    assert "(fwd " in trainer.step_line(recs[0]) and " logp " in trainer.step_line(recs[0])
 
 
 def test_the_reported_peak_is_the_whole_jobs(tmp_path, monkeypatch):

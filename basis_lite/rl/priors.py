@@ -9,8 +9,9 @@ prior is its smoothed success rate, shrunk toward the dataset mean m with c pseu
 the run's own earlier rewards for prompt i (h_i successes out of n_i, all from EARLIER steps, so independent of
 the current reward and leave-one-out safe) are added: p_i = (s_i + h_i + c m) / (K + n_i + c).
 
-The table is cached as JSON under a key of model, dataset config, rendered prompts, reward config and sampling
-settings, so later runs (and later epochs) reuse it. `compute_prior(cfg, samples)` (`basis-lite prior --preset ...`)
+The table also keeps each sample's reward total (`rewards`: A*-PO's V*, spo's initial counts read them) and the
+samples' prompt and generated token counts (the run's reference cost). It is cached as JSON under a key of model,
+dataset config, rendered prompts, reward config and sampling settings, so later runs (and later epochs) reuse it. `compute_prior(cfg, samples)` (`basis-lite prior --preset ...`)
 builds the reference policy and precomputes it; the trainer calls `load_or_compute_prior` with its own policy.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -42,7 +44,7 @@ def prior_key(cfg, prompts: list[str], k: int, per_prompt: bool = False) -> str:
             "\x00".join(prompts).encode()).hexdigest(),
         "gen": {"t": cfg.generation.temperature, "p": cfg.generation.top_p, "k": cfg.generation.top_k,
                 "max": cfg.generation.max_new_tokens},
-        "reward": vars(cfg.reward), "K": k, "seed": cfg.train.seed, "v": 1,
+        "reward": vars(cfg.reward), "K": k, "seed": cfg.train.seed, "v": 2,
     }
     if per_prompt:
         fields["rng"] = "per_prompt"
@@ -56,13 +58,16 @@ def prior_cache_path(cache_root: Path, key: str) -> Path:
 
 def compute_prior_counts(engine, model, examples, prompts: list[str], scorer, params: SamplingParams, k: int,
                          batch_size: int = 64, progress: bool = True, data_cfg=None,
-                         seeds: list[int] | None = None) -> dict[str, int]:
-    """Successes out of k reference samples per example id (the adapter is disabled while sampling); `data_cfg`
-    names the data columns passed to user reward functions; `seeds`, one per prompt, sample each prompt from its
-    own stream."""
+                         seeds: list[int] | None = None) -> dict:
+    """{"counts": successes out of k reference samples per example id, "rewards": the k reward totals per id,
+    "prompt_tokens", "generated_tokens": what the samples processed} (the adapter is disabled while sampling);
+    `data_cfg` names the data columns passed to user reward functions; `seeds`, one per prompt, sample each prompt
+    from its own stream."""
     from ..rewards.scorer import example_columns
 
     counts: dict[str, int] = {}
+    rewards: dict[str, list[float]] = {}
+    prompt_tokens = generated_tokens = 0
     per = max(1, batch_size // k)
     p = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                        max_new_tokens=params.max_new_tokens, n=k)
@@ -79,8 +84,11 @@ def compute_prior_counts(engine, model, examples, prompts: list[str], scorer, pa
                         completion_ids=[r.completion_ids for r in rolls])
             for j, ex in enumerate(examples[i:i + per]):
                 counts[ex.id] = int(round(sum(rb.correct[j * k:(j + 1) * k])))
+                rewards[ex.id] = [float(x) for x in rb.total[j * k:(j + 1) * k]]
+            prompt_tokens += sum(len(r.prompt_ids) for r in rolls)
+            generated_tokens += sum(len(r.completion_ids) for r in rolls)
             bar.update(len(chunk))
-    return counts
+    return {"counts": counts, "rewards": rewards, "prompt_tokens": prompt_tokens, "generated_tokens": generated_tokens}
 
 
 class _null:
@@ -93,7 +101,8 @@ class _null:
 
 def load_or_compute_prior(cfg, cache_root: Path, engine, model, examples, prompts, scorer, params, k,
                           progress=True) -> dict:
-    """{"k": K, "counts": {id: successes}, "mean": m, "key": key, "seconds": s, "cached": bool}.
+    """{"k": K, "counts": {id: successes}, "rewards": {id: [K reward totals]}, "mean": m, "prompt_tokens": n,
+    "generated_tokens": n, "key": key, "seconds": s, "cached": bool}.
 
     A cache file that does not parse or does not cover these prompts is named in a warning, moved aside
     (`<key>.json.corrupt-<time>`) and computed again; the new file is written atomically (temp + fsync + rename).
@@ -105,10 +114,11 @@ def load_or_compute_prior(cfg, cache_root: Path, engine, model, examples, prompt
         table["cached"] = True
         return table
     t0 = time.time()
-    counts = compute_prior_counts(engine, model, examples, prompts, scorer, params, k, progress=progress,
-                                  data_cfg=cfg.data)
+    drawn = compute_prior_counts(engine, model, examples, prompts, scorer, params, k, progress=progress,
+                                 data_cfg=cfg.data)
+    counts = drawn["counts"]
     mean = sum(counts.values()) / max(1, k * len(counts))
-    table = {"k": k, "counts": counts, "mean": mean, "key": key, "seconds": time.time() - t0}
+    table = {"k": k, **drawn, "mean": mean, "key": key, "seconds": time.time() - t0}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(table))
     table["cached"] = False
@@ -137,10 +147,16 @@ def _read_table(path: Path, key: str, ids: list[str], k: int) -> tuple[dict | No
         return None, f"{type(e).__name__}"
     if not isinstance(table, dict) or table.get("key") != key or table.get("k") != k:
         return None, "not the prior of this key"
-    counts = table.get("counts")
+    counts, rewards = table.get("counts"), table.get("rewards")
     if not isinstance(counts, dict) or any(not isinstance(counts.get(i), int) or not 0 <= counts[i] <= k
                                            for i in ids):
         return None, "counts missing or out of range"
+    if not isinstance(rewards, dict) or any(
+            not isinstance(rewards.get(i), list) or len(rewards[i]) != k
+            or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in rewards[i]) for i in ids):
+        return None, "rewards missing or not K finite numbers per prompt"
+    if not all(isinstance(table.get(f), int) and table[f] >= 0 for f in ("prompt_tokens", "generated_tokens")):
+        return None, "no token counts"
     if not isinstance(table.get("mean"), (int, float)):
         return None, "no mean"
     return table, ""
@@ -160,20 +176,32 @@ def load_or_compute_seeded_prior(cfg, cache_root: Path, engine, model, examples,
     path = prior_cache_path(cache_root, key)
     table = _cached_table(path, key, [ex.id for ex in examples], k) if ranks.is_main else None
     t0 = time.time()
+    n = len(examples)
     if ranks.broadcast_floats([1.0 if table is not None else 0.0])[0]:
-        sent = [float(table["counts"].get(ex.id, 0)) for ex in examples] if table is not None else [0.0] * len(examples)
-        counts_list = ranks.broadcast_floats(sent)
+        sent = [0.0] * (n * (k + 1) + 2)  # counts, rewards (k per prompt), prompt and generated tokens
+        if table is not None:
+            sent = ([float(table["counts"].get(ex.id, 0)) for ex in examples]
+                    + [float(x) for ex in examples for x in table["rewards"][ex.id]]
+                    + [float(table["prompt_tokens"]), float(table["generated_tokens"])])
+        got = ranks.broadcast_floats(sent)
+        counts_list, flat, tokens = got[:n], got[n:n * (k + 1)], got[n * (k + 1):]
+        rewards_list = [flat[i * k:(i + 1) * k] for i in range(n)]
         cached = True
     else:
-        lo, hi = ranks.bounds(len(examples))
+        lo, hi = ranks.bounds(n)
         seeds = [stream_seed(cfg.train.seed, "prior", i) for i in range(lo, hi)]
         mine = compute_prior_counts(engine, model, examples[lo:hi], prompts[lo:hi], scorer, params, k,
                                     progress=progress, data_cfg=cfg.data, seeds=seeds)
-        counts_list = ranks.gather_ragged([float(mine[ex.id]) for ex in examples[lo:hi]], len(examples))
+        counts_list = ranks.gather_ragged([float(mine["counts"][ex.id]) for ex in examples[lo:hi]], n)
+        columns = [ranks.gather_ragged([mine["rewards"][ex.id][j] for ex in examples[lo:hi]], n) for j in range(k)]
+        rewards_list = [[columns[j][i] for j in range(k)] for i in range(n)]
+        tokens = ranks.sum([float(mine["prompt_tokens"]), float(mine["generated_tokens"])])
         cached = False
     counts = {ex.id: int(round(c)) for ex, c in zip(examples, counts_list)}
     mean = sum(counts.values()) / max(1, k * len(counts))
-    table = {"k": k, "counts": counts, "mean": mean, "key": key, "seconds": 0.0 if cached else time.time() - t0}
+    table = {"k": k, "counts": counts, "rewards": {ex.id: r for ex, r in zip(examples, rewards_list)}, "mean": mean,
+             "prompt_tokens": int(round(tokens[0])), "generated_tokens": int(round(tokens[1])), "key": key,
+             "seconds": 0.0 if cached else time.time() - t0}
     if not cached and ranks.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(table))

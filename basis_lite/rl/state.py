@@ -23,6 +23,7 @@ from ..runs.metrics import MetricsLog
 from ..runtime import DECIDED_FILE, Decided, read_decided
 from ..safeio import read_json
 from .distributed import Ranks
+from .step import fresh_totals
 from .update import make_optimizer, make_scheduler
 
 log = logging.getLogger("basis_lite")
@@ -59,6 +60,7 @@ class RunState:
     ranks: Ranks = dataclasses.field(default_factory=Ranks)  # data-parallel ranks (or one)
     per_prompt_rng: bool = False  # rollouts from per-prompt streams (generation.rng)
     decided: Decided | None = None  # what the run decided at run time (kept on resume)
+    totals: dict = dataclasses.field(default_factory=fresh_totals)  # the run's token costs and seconds so far
 
     @property
     def uses_features(self) -> bool:
@@ -88,7 +90,7 @@ def checkpoint_state(run: RunState) -> dict:
             "replay": run.replay.state_dict() if run.replay is not None else None,
             "estimator_state": run.est_state.state_dict() if run.est_state is not None else None,
             "value_tracker": run.value_tracker.state_dict() if run.value_tracker is not None else None,
-            "decided": run.decided.as_dict() if run.decided is not None else None}
+            "decided": run.decided.as_dict() if run.decided is not None else None, "totals": dict(run.totals)}
 
 
 def stored_decisions(run_dir: Path) -> dict | None:
@@ -141,6 +143,7 @@ def _fresh_state(run: RunState, train_ex, initial: dict, adapter_name: str) -> N
     run.scheduler = make_scheduler(run.cfg, run.optimizer)
     run.sampler = PromptSampler(train_ex, run.cfg.train.batch_size, seed=run.cfg.train.seed)
     run.history, run.step, run.bad_steps = {}, 0, 0
+    run.totals = {k: (v if k.startswith("reference_") else type(v)(0)) for k, v in run.totals.items()}
     fresh_learning_state(run)
 
 
@@ -203,6 +206,7 @@ def restore(run: RunState, state: dict) -> None:
             run.value_tracker.load_state_dict(state["value_tracker"])
         if run.scaler is not None and state.get("scaler"):
             run.scaler.load_state_dict(state["scaler"])
+        run.totals.update({k: v for k, v in (state.get("totals") or {}).items() if k in run.totals})
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
         raise ckpt.Unusable(f"the trainer state does not load ({type(e).__name__}: {str(e)[:200]})") from None
     run.step, run.bad_steps = state["step"], state.get("bad_steps", 0)

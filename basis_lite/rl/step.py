@@ -9,8 +9,12 @@ baselines, the update, the metrics line and the checkpoint.
 
 What travels in the gather: one float64 vector per rank holding its rewards, correctness and format flags,
 completion lengths, prompt features and trajectory features, after a head of [feature size, generation seconds,
-reward-warning count, trajectory feature size]. The rollouts themselves (token ids, behaviour log-probs) stay on
-their rank: each rank trains on its own rows (`adv_mine`).
+reward-warning count, trajectory feature size, prompt tokens]. The rollouts themselves (token ids, behaviour
+log-probs) stay on their rank: each rank trains on its own rows (`adv_mine`).
+
+The step's cost in tokens (`costs`), independent of the machine and summed over the ranks: prompt tokens processed
+by generation (each rollout's prompt), tokens generated, tokens trained (forward and backward, every pass) and
+tokens through forward-only passes (reference log-probs, an estimator's drift measurement).
 """
 from __future__ import annotations
 
@@ -30,7 +34,17 @@ from .update import OPTIONAL_STEP_METRICS
 if TYPE_CHECKING:
     from .state import RunState
 
-_HEAD = 4  # feature size, generation seconds, reward warnings, trajectory feature size
+_HEAD = 5  # feature size, generation seconds, reward warnings, trajectory feature size, prompt tokens
+COSTS = ("prompt_tokens", "generated_tokens", "trained_tokens", "forward_only_tokens")  # per step, and cum_* in total
+
+
+TIMES = ("generation_s", "training_s", "forward_s", "logprob_s", "backward_s", "optimizer_s")
+
+
+def fresh_totals() -> dict:
+    """A run's totals at its start: the step costs (COSTS), the reference samples' tokens (generated and prompt,
+    drawn once before training) and the seconds of each part of the steps (TIMES)."""
+    return {**{k: 0 for k in (*COSTS, "reference_tokens", "reference_prompt_tokens")}, **{k: 0.0 for k in TIMES}}
 
 
 @dataclasses.dataclass
@@ -59,6 +73,9 @@ class Step:
     adv: torch.Tensor | None = None  # [B, G] advantages and baselines of the global batch (trainer.baselines)
     base: torch.Tensor | None = None
     training_s: float = 0.0
+    prompt_tokens: int = 0  # prompt tokens of the rollouts (summed over the ranks once gathered)
+    logprob_s: float = 0.0  # forward-only log-prob passes outside the update (an estimator's drift measurement)
+    forward_only_tokens: int = 0  # their tokens, summed over the ranks
 
     @classmethod
     def of_rank(cls, n: int, batch: list, mine: list, rollouts: list, rewards: torch.Tensor, scored, *,
@@ -74,7 +91,8 @@ class Step:
             trajectory = torch.stack([r.trajectory.float().cpu() for r in rollouts]).view(b, G, -1)
         return cls(n, batch, mine, rollouts, rewards, features, trajectory, [float(x) for x in scored.correct],
                    [float(x) for x in scored.format], [len(r.completion_ids) for r in rollouts], int(reward_warnings),
-                   float(generation_s), started=started, reward_metrics=dict(getattr(scored, "metrics", {})))
+                   float(generation_s), started=started, reward_metrics=dict(getattr(scored, "metrics", {})),
+                   prompt_tokens=sum(len(r.prompt_ids) for r in rollouts))
 
     def gathered(self, ranks: Ranks) -> Step:
         """The step over the global batch: every rank's rewards, flags, lengths and features, in rank order (so
@@ -82,7 +100,8 @@ class Step:
         b, G = self.rewards.shape
         d = 0 if self.features is None else self.features.shape[1]
         dt = 0 if self.trajectory is None else self.trajectory.shape[2]
-        head = torch.tensor([float(d), self.generation_s, float(self.reward_warnings), float(dt)], dtype=torch.float64)
+        head = torch.tensor([float(d), self.generation_s, float(self.reward_warnings), float(dt),
+                             float(self.prompt_tokens)], dtype=torch.float64)
         parts = [head, self.rewards.reshape(-1).double().cpu(), torch.tensor(self.correct, dtype=torch.float64),
                  torch.tensor(self.format, dtype=torch.float64),
                  torch.tensor(self.completion_lens, dtype=torch.float64)]
@@ -114,16 +133,24 @@ class Step:
             format=rows[:, cols[2]:cols[3]].reshape(-1).tolist(),
             completion_lens=[int(x) for x in rows[:, cols[3]:cols[4]].reshape(-1).tolist()],
             reward_warnings=int(heads[:, 2].sum()), generation_s=float(heads[:, 1].max()), wait_s=t1 - t0,
-            gather_s=t2 - t1, gather_bytes=rows.numel() * rows.element_size())
+            gather_s=t2 - t1, gather_bytes=rows.numel() * rows.element_size(), prompt_tokens=int(heads[:, 4].sum()))
 
     def adv_mine(self, ranks: Ranks) -> torch.Tensor:
         """This rank's rows of the advantages, flattened (the order of `rollouts`)."""
         return ranks.shard(self.adv).reshape(-1)
 
+    def costs(self, stats: dict) -> dict:
+        """The step's cost in tokens (COSTS), over the global batch; `stats` from the update (summed over ranks)."""
+        return {"prompt_tokens": self.prompt_tokens, "generated_tokens": sum(self.completion_lens),
+                "trained_tokens": int(round(stats.get("trained_tokens", 0.0))),
+                "forward_only_tokens": int(round(stats.get("forward_only_tokens", 0.0))) + self.forward_only_tokens}
+
     def metrics(self, run: RunState, stats: dict, ok: bool) -> dict:
         """The metrics.jsonl line of the step, over the global batch; peak memory is read here, once per step (the
-        largest rank's peak since its process started: the kernel's high-water mark is never reset); under torchrun
-        also the rank count and the gather and all-reduce timings."""
+        largest rank's peak since its process started: the kernel's high-water mark is never reset); the step's
+        token costs and the run's totals so far (`run.totals`, cum_*); the update's time split into the forward with
+        the graph, forward-only log-prob passes, backward and optimizer (this rank's); under torchrun also the rank
+        count and the gather and all-reduce timings."""
         ranks = run.ranks
         r_flat = self.rewards.view(-1)
         comp_tokens = sum(self.completion_lens)
@@ -136,7 +163,10 @@ class Step:
             "entropy": stats["entropy"], "completion_len": comp_tokens / len(self.completion_lens),
             "loss": stats["loss"], "grad_norm": stats["grad_norm"], "clip_fraction": stats["clip_fraction"],
             "lr": run.optimizer.param_groups[0]["lr"], "generation_s": self.generation_s,
-            "training_s": self.training_s,
+            "training_s": self.training_s, "forward_s": stats.get("forward_s", 0.0),
+            "logprob_s": stats.get("logprob_s", 0.0) + self.logprob_s, "backward_s": stats.get("backward_s", 0.0),
+            "optimizer_s": stats.get("optimizer_s", 0.0), **self.costs(stats),
+            **{f"cum_{k}": run.totals[k] for k in (*COSTS, "reference_tokens")},
             "tokens_per_s": comp_tokens / max(1e-9, self.generation_s + self.training_s),
             "peak_memory_mb": ranks.max([peak_memory_mb(run.device)])[0],
             "reward_warnings": self.reward_warnings, "skipped": not ok,

@@ -19,10 +19,17 @@ detached and multiplied into every token's loss:
   * EAPO (`eapo.prior_adapter`): importance weights of the completions with tokens from the prior adapter
     (`engines.eapo.importance_weights`).
 The engine/trainer log-ratio is reported whenever the engine gave log-probs.
+
+Where the time goes (stats, per rank): `forward_s` (the forward with the graph, which gives the policy's log-probs),
+`logprob_s` (forward-only log-prob passes: the reference policy's, for the KL term),
+`backward_s` and `optimizer_s` (clipping and the optimizer step). What it costs in tokens, independent of the
+machine (summed over the ranks): `trained_tokens` (prompt + completion tokens through forward and backward, every
+pass) and `forward_only_tokens` (tokens through the forward-only passes).
 """
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -215,13 +222,27 @@ def step_normalizer(cfg: Config, rollouts, ranks: Ranks) -> Normalizer:
                       num_ranks=ranks.world, max_completion_length=cfg.generation.max_new_tokens)
 
 
-def reference_kl(cfg: Config, model, batch: tuple, logprobs: torch.Tensor, mask: torch.Tensor,
-                 norm: Normalizer) -> torch.Tensor:
-    """k3 KL to the reference (the base, adapter disabled), token-mean over the whole step."""
+def reference_logprobs(cfg: Config, model, batch: tuple, temperature: float = 1.0) -> torch.Tensor:
+    """The reference policy's token log-probs (the base, adapter disabled) on a packed batch, without a graph."""
     input_ids, attn, cmask = batch
     with torch.no_grad(), model.disable_adapter():
-        ref = sequence_logprobs(model, input_ids, attn, cmask, chunk_size=cfg.train.logprob_chunk_size).logprobs
+        return sequence_logprobs(model, input_ids, attn, cmask, chunk_size=cfg.train.logprob_chunk_size,
+                                 temperature=temperature).logprobs
+
+
+def reference_kl(cfg: Config, model, batch: tuple, logprobs: torch.Tensor, mask: torch.Tensor,
+                 norm: Normalizer) -> torch.Tensor:
+    """k3 KL to the reference (the base, adapter disabled; its log-probs at temperature 1), token-mean over the whole
+    step."""
+    ref = reference_logprobs(cfg, model, batch)
     return masked_mean(kl_k3(logprobs, ref, mask), mask, num_tokens=norm.num_tokens)
+
+
+def sync_clock(device) -> float:
+    """time.time() once the device's queued work is done (CUDA runs asynchronously; elsewhere a plain read)."""
+    if getattr(device, "type", str(device)) == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()
 
 
 @dataclass
@@ -240,6 +261,8 @@ class _Step:
     eapo_w: list  # per rollout: EAPO token weights or None
     acc: dict = field(default_factory=lambda: {"sum": 0.0, "n": 0, "max": 0.0, "truncated": 0})  # engine log-ratio
     first_pass: dict = field(default_factory=dict)  # micro-batch -> (old log-probs, weights) of the first pass
+    times: dict = field(default_factory=lambda: {"forward_s": 0.0, "logprob_s": 0.0, "backward_s": 0.0,
+                                                 "optimizer_s": 0.0})
 
 
 def run_pass(s: _Step, epoch: int) -> dict:
@@ -247,16 +270,21 @@ def run_pass(s: _Step, epoch: int) -> dict:
     first pass also entropy_sum, ent_tokens, trained). The first pass records each micro-batch's old log-probs (the
     sampling policy: no step on this batch yet) and weights for the later ones."""
     cfg, t = s.cfg, s.cfg.train
-    ep = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+    ep = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "trained_tokens": 0.0, "forward_only_tokens": 0.0}
     if epoch == 0:
         ep.update(entropy_sum=0.0, ent_tokens=0.0, trained=float(sum(map(len, s.mbs))))
     opts = LossOptions.from_train(t)
+    temperature = cfg.generation.temperature or 1.0  # the sampling distribution's: logits / T (T = 0 is greedy: 1)
     for k, mb in enumerate(s.mbs):
         rolls = [s.rollouts[i] for i in mb]
         batch = tuple(x.to(s.device) for x in pack_sequences(rolls, cfg.model.max_seq_length, s.pad_id))
-        # log-probs of the distribution the rollouts were sampled from: logits / T (T = 0 is greedy: use 1)
-        out = sequence_logprobs(s.model, *batch, chunk_size=t.logprob_chunk_size,
-                                temperature=cfg.generation.temperature or 1.0, with_entropy=epoch == 0)
+        tokens = float(batch[1].sum())
+        t0 = sync_clock(s.device)
+        out = sequence_logprobs(s.model, *batch, chunk_size=t.logprob_chunk_size, temperature=temperature,
+                                with_entropy=epoch == 0)
+        t1 = sync_clock(s.device)
+        s.times["forward_s"] += t1 - t0
+        ep["trained_tokens"] += tokens
         if epoch == 0:
             old = out.logprobs.detach()
             weights = behaviour_weights(cfg, rolls, [s.eapo_w[i] for i in mb], old, out.mask, s.acc)
@@ -267,10 +295,15 @@ def run_pass(s: _Step, epoch: int) -> dict:
         pb = PolicyBatch(out.logprobs, old, s.advantages[mb].to(s.device), out.mask)
         loss, ls = compute_policy_loss(t.loss, t.loss_aggregation, pb, opts, s.norm, weights)
         if t.kl_coef > 0:
+            r0 = sync_clock(s.device)
             kl = reference_kl(cfg, s.model, batch, out.logprobs, out.mask, s.norm)
+            s.times["logprob_s"] += sync_clock(s.device) - r0
             loss = loss + t.kl_coef * kl
             ep["kl"] += kl.item()
+            ep["forward_only_tokens"] += tokens
+        t2 = sync_clock(s.device)
         (s.scaler.scale(loss) if s.scaler is not None else loss).backward()
+        s.times["backward_s"] += sync_clock(s.device) - t2
         ep["loss"] += loss.item()
         ntok = int(out.mask.sum())
         ep["clip_fraction"] += float(ls["clip_fraction"]) * ntok / max(1, s.norm.num_tokens)
@@ -331,7 +364,7 @@ def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Te
     the ranks before clipping, so every rank takes the same steps.
     """
     ranks = ranks if ranks is not None else Ranks()
-    stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+    stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "trained_tokens": 0.0, "forward_only_tokens": 0.0}
     eapo_w: list = [None] * len(rollouts)
     if cfg.eapo.prior_adapter:
         eapo_w, eapo_stats = eapo_token_weights(cfg, rollouts)
@@ -347,7 +380,9 @@ def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Te
         if epoch == 0:
             entropy_sum, ent_tokens = ep.pop("entropy_sum"), int(round(ep.pop("ent_tokens")))
             trained = int(round(ep.pop("trained")))  # over all ranks: every rank steps when any rank trained
+        t0 = sync_clock(device)
         grad_norm, ok = optimizer_step(cfg, optimizer, params, scaler, ep["loss"], trained, step)
+        s.times["optimizer_s"] += sync_clock(device) - t0
         grad_norms.append(grad_norm)
         for key in ep:
             stats[key] += ep[key]
@@ -360,4 +395,5 @@ def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Te
     stats["trained_sequences"] = trained
     stats["entropy"] = entropy_sum / ent_tokens if ent_tokens else float("nan")
     stats.update(engine_ratio_stats(cfg, s.acc, ranks))
+    stats.update(s.times)
     return stats, ok
