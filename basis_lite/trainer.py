@@ -45,7 +45,7 @@ from .rl.guard import check_rollouts
 from .rl.priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
 from .rl.state import RunState, checkpoint_state, fresh_learning_state, resume_from, stored_decisions
 from .rl.step import Step
-from .rl.update import make_optimizer, make_scheduler, policy_update
+from .rl.update import make_optimizer, make_scheduler, policy_update, response_drift
 from .runs import checkpoint as ckpt
 from .runs.folder import claim_on_main, interrupt_message
 from .runs.metrics import MetricsLog
@@ -153,9 +153,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool, progress: bool,
             prompt_of={ex.id: format_prompt(tok, ex.prompt, cfg.data) for ex in train_ex},
             eval_examples=eval_ex, summary={"run_dir": str(run_dir)}, progress=progress, ranks=ranks,
             per_prompt_rng=decided.rng == "per_prompt", decided=decided)
-        fresh_learning_state(run)
-        if run.with_prior and cfg.estimator.prior_samples > 0:
+        if (run.with_prior or run.estimator.uses_reference) and cfg.estimator.prior_samples > 0:
             load_prior(run, train_ex)
+        fresh_learning_state(run)  # after the prior: an estimator's state may read the reference samples
         last = resume_from(run, train_ex) if resume else None
         if last is None:
             if resume:
@@ -272,7 +272,8 @@ def baselines(run: RunState, step: Step):
                            state=run.est_state)
     adv, base = run.estimator.compute(step.rewards, ctx)
     if run.est_state is not None:  # after the baselines, like the history and the replay buffer
-        run.est_state.observe(step.n, ids, step.rewards)
+        drift = {"drift": measure_drift(run, step, ids)} if run.tracks_drift else {}
+        run.est_state.observe(step.n, ids, step.rewards, **drift)
     if run.value_tracker is not None:
         run.value_tracker.observe(ids, step.rewards)
     if run.uses_history:  # after the baselines: a prompt's history never holds its current reward
@@ -283,6 +284,51 @@ def baselines(run: RunState, step: Step):
     if run.replay is not None:
         run.replay.add(step.n, ids, step.rewards, step.features, step.trajectory)
     return adv, base
+
+
+def measure_drift(run: RunState, step: Step, ids: list) -> dict:
+    """{batch position: D} for the prompts whose estimator state kept a response from an earlier visit: the mean
+    |log-prob change| of that response between the policy that sampled it and the current one (rl/update.py
+    response_drift), the responses split over the ranks and the drifts summed (every rank's state keeps the same
+    responses). Its time and tokens count as a forward-only log-prob pass of the step."""
+    kept = run.est_state.drift_responses(ids)
+    if not kept:
+        return {}
+    lo, hi = run.ranks.bounds(len(kept))
+    t0 = time.time()
+    mine, tokens = response_drift(run.cfg, run.model, [k[1:] for k in kept[lo:hi]], run.tok.pad_token_id,
+                                  run.device)
+    step.logprob_s += time.time() - t0
+    drifts = [0.0] * len(kept)
+    drifts[lo:hi] = mine
+    summed = run.ranks.sum([*drifts, float(tokens)])
+    step.forward_only_tokens += int(round(summed[-1]))
+    return {k[0]: d for k, d in zip(kept, summed[:-1])}
+
+
+def keep_responses(run: RunState, step: Step, logprobs: dict) -> None:
+    """Hand the estimator state each prompt's response of this step (its first rollout that trained: token ids as
+    the update packed them, prompt length, the update's log-probs of its completion tokens; None when none
+    trained), gathered over the ranks, for the drift measured at the prompt's next visit."""
+    G, max_len = run.cfg.estimator.rollouts_per_prompt, run.cfg.model.max_seq_length
+    local = []
+    for i in range(len(step.mine)):
+        item = None
+        for j in range(i * G, (i + 1) * G):
+            if j in logprobs:
+                r = step.rollouts[j]
+                ids = (r.prompt_ids + r.completion_ids)[:max_len]
+                item = [float(len(r.prompt_ids)), float(len(ids)), *map(float, ids), *logprobs[j].tolist()]
+                break
+        local.append(item)
+    responses = []
+    for item in distributed.gather_items(run.ranks, local, len(step.batch)):
+        if item is None:
+            responses.append(None)
+            continue
+        n, n_ids = int(item[0]), int(item[1])  # [prompt length, token count, token ids, log-probs]
+        responses.append(([int(x) for x in item[2:2 + n_ids]], n, torch.tensor(item[2 + n_ids:], dtype=torch.float32)))
+    run.est_state.keep_responses([ex.id for ex in step.batch], responses)
 
 
 def update(run: RunState, step: Step):
@@ -302,9 +348,11 @@ def _update(run: RunState, step: Step):
     cfg, n = run.cfg, step.n
     params = [p for p in run.model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
+    logprobs = {} if run.tracks_drift else None
     try:
         stats, ok = policy_update(cfg, run.model, run.optimizer, step.rollouts, step.adv_mine(run.ranks),
-                                  run.tok.pad_token_id, run.device, n, run.scaler, ranks=run.ranks)
+                                  run.tok.pad_token_id, run.device, n, run.scaler, ranks=run.ranks,
+                                  logprobs_out=logprobs)
     except torch.OutOfMemoryError:
         raise TrainingAborted(
             f"CUDA out of memory at step {n} with train.micro_batch_size={cfg.train.micro_batch_size}; "
@@ -314,6 +362,8 @@ def _update(run: RunState, step: Step):
         stats["update_norm"] = math.sqrt(sum(float((p.detach().float() - b.float()).pow(2).sum())
                                              for p, b in zip(params, before)))
     del before
+    if logprobs is not None:
+        keep_responses(run, step, logprobs)
     if ok:
         run.bad_steps = 0
         with warnings.catch_warnings():  # a step with all-zero advantages skips optimizer.step()

@@ -30,7 +30,7 @@ LAYERS = [
     }),
     ("configuration", "torch-free: the config tree, the estimator, loss, engine and optimizer specs", {
         "config": ["__init__", "keys", "trl"],
-        "estimators": ["__init__", "basis_options", "probe_options"],
+        "estimators": ["__init__", "basis_options", "probe_options", "reference_options"],
         "losses": ["__init__"],
         "engines": ["__init__"],
         "rl": ["optimizers"],
@@ -38,7 +38,7 @@ LAYERS = [
     ("numerics", "losses, the estimators' functions, data, rewards, metrics", {
         "": ["plot"],
         "losses": ["policy"],
-        "estimators": ["base", "simple", "basis_blocks", "basis", "probe", "poise", "basis_mix"],
+        "estimators": ["base", "simple", "basis_blocks", "basis", "probe", "poise", "basis_mix", "astar", "spo"],
         "data": ["__init__", "rows", "loading", "prompts", "sampler"],
         "rewards": ["scorer", "worker"],
         "runs": ["metrics"],

@@ -16,7 +16,7 @@ from ..data.tasks import BUILTIN_TASKS, check_levels
 from ..engines import engine_choices, get_engine
 from ..errors import ConfigError
 from ..estimators import estimator_names, get_estimator
-from ..losses import LEVELS, aggregation_help, aggregation_names, check_loss_config, loss_help, loss_names
+from ..losses import AUTO, LEVELS, LOSSES, aggregation_help, aggregation_names, check_loss_config, loss_help, loss_names
 from ..rl.optimizers import optimizer_help, optimizer_names
 from .fields import ANY, AT_LEAST_1, NONNEG, POS, UNIT_OPEN, Range, setting
 
@@ -238,8 +238,9 @@ def _rollouts_help() -> str:
 class EstimatorConfig:
     name: str = setting("basis", _estimator_help, choices=estimator_names)
     rollouts_per_prompt: int = setting(1, _rollouts_help, range=Range(1, 1024), trl="num_generations")
-    prior_samples: int = setting(0, "basis: K reference rollouts per training prompt before training for the offline "
-                                 "prior (0 = none; cached)", range=Range(0, 1024))
+    prior_samples: int = setting(0, "basis, astar, spo: K reference rollouts per training prompt before training (the "
+                                 "offline prior; astar's V*; spo's initial counts), 0 = none; cached",
+                                 range=Range(0, 1024))
     use_features: bool = setting(True, "basis: pool other prompts' rewards by the similarity of the policy's prompt "
                                  "hidden states")
     history: bool = setting(False, "basis: refine the prior with this run's earlier rewards of the same prompt")
@@ -260,6 +261,13 @@ def _check_estimator(cfg: Config) -> None:
         raise ConfigError(f"estimator.name={e.name} needs estimator.rollouts_per_prompt >= {spec.min_rollouts} "
                           f"(got {e.rollouts_per_prompt}); use {' or '.join(fits)} for {per} per prompt")
     e.options = spec.validate_options(e.options)
+    if e.prior_samples < spec.min_reference:
+        raise ConfigError(f"estimator.prior_samples: {e.name} needs K >= {spec.min_reference} reference samples per "
+                          f"training prompt (drawn once before training and cached; A*-PO's paper and TRL use 8), got "
+                          f"{e.prior_samples}; set estimator.prior_samples=8")
+    if spec.picks_prompts is not None and spec.picks_prompts(e.options) and cfg.data.value_sampling > 0:
+        raise ConfigError(f"data.value_sampling: {cfg.data.value_sampling} would choose the training prompts, which "
+                          f"estimator.name={e.name} does itself (its options); set data.value_sampling=0")
     if spec.with_prior(e) and spec.uses_features and e.use_features \
             and e.options.get("combine", "toward_prior") == "toward_prior" \
             and "cv" in (e.options.get("bandwidth"), e.options.get("shrink")):
@@ -269,7 +277,11 @@ def _check_estimator(cfg: Config) -> None:
 
 
 def _aggregations_with_trl() -> tuple:
-    return aggregation_names(with_trl=True)
+    return (AUTO, *aggregation_names(with_trl=True))
+
+
+def _losses() -> tuple:
+    return (AUTO, *loss_names())
 
 
 def _mismatch_help() -> str:
@@ -303,8 +315,8 @@ class TrainConfig:
                             choices=("cosine", "constant"))
     max_grad_norm: float = setting(1.0, "the gradient norm is clipped to this value", range=POS, trl="max_grad_norm")
     optimizer: str = setting("auto", optimizer_help, choices=optimizer_names)
-    loss: str = setting("ppo_clip", loss_help, choices=loss_names)
-    loss_aggregation: str = setting("token-mean", aggregation_help, choices=_aggregations_with_trl, trl="loss_type")
+    loss: str = setting("auto", loss_help, choices=_losses)
+    loss_aggregation: str = setting("auto", aggregation_help, choices=_aggregations_with_trl, trl="loss_type")
     importance_sampling_level: str = setting("token", "the importance ratio per token | per sequence (GSPO: exp of the "
                                              "mean log-ratio of the sequence); ppo_clip, cispo and sapo",
                                              choices=LEVELS, trl="importance_sampling_level")
@@ -326,6 +338,8 @@ class TrainConfig:
                                  trl="vespo_k_neg")
     vespo_lambda_neg: float = setting(2.0, "VESPO: decay lambda of the gamma weight where A < 0", range=POS,
                                       trl="vespo_lambda_neg")
+    astar_beta: float = setting(1e-3, "A*-PO loss: beta of the implicit reward beta * sum_t log(pi / pi_ref) that is "
+                                "regressed onto r - V*(x) (TRL A2PO: beta2)", range=POS)
     kl_coef: float = setting(0.0, "k3 KL to the reference (the base, adapter disabled); 0 = off, no extra forward "
                              "(TRL: beta)", range=NONNEG, trl="beta")
     ppo_epochs: int = setting(1, "optimizer steps (passes) over each batch of rollouts; > 1 reuses them and the clip "
@@ -354,7 +368,14 @@ def _check_train(cfg: Config) -> None:
     """The loss, its aggregation and level together (TRL names read as ours), the mismatch correction against the
     engine, the loggers, and the micro-batch capped at the step's sequence count."""
     t, e = cfg.train, cfg.estimator
-    check_loss_config(t)
+    check_loss_config(t, get_estimator(e.name).loss)
+    needs = LOSSES[t.loss].estimator
+    if needs and e.name != needs:
+        raise ConfigError(f"train.loss: {t.loss} regresses onto the advantages of estimator {needs} (r - V*(x) from its "
+                          f"reference samples), not {e.name}'s; set estimator.name={needs} or train.loss=auto")
+    if needs and get_estimator(e.name).normalizes(e.normalize):
+        raise ConfigError(f"estimator.normalize: always would divide the regression target of train.loss={t.loss} "
+                          f"(r - V*(x), in reward units) by the batch std; use auto or never")
     if t.mismatch_correction == "always" and not get_engine(cfg.generation.engine).behaviour_logprobs:
         raise ConfigError(f"train.mismatch_correction: always needs the engine's log-probs, which "
                           f"generation.engine={cfg.generation.engine} does not give; use auto or never")

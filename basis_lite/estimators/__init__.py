@@ -26,6 +26,11 @@ Registered here:
   steps' rewards (replay buffer); b_i never uses r_i (poise.py).
 - ``poise`` (G >= 2): each rollout's baseline is an online probe's prediction from its sibling rollouts' internal
   states (trajectory features), refit on earlier steps; b_ig never uses r_ig or rollout g's features (poise.py).
+- ``astar`` (G >= 1): A*-PO, the baseline V*(x) = beta log mean_k exp(r_k / beta) over the K reference samples of
+  the prompt (drawn before training), trained with its own least-squares loss (``train.loss: astar``; astar.py).
+- ``spo`` (G >= 1): SPO, the baseline is the prompt's tracked success rate (a Beta tracker whose old evidence decays
+  with the policy's drift since the prompt's last visit), advantages whitened over the batch, prompts sampled by
+  their uncertainty (spo.py).
 
 ``explained_variance`` lives in ``basis_lite.estimators.base`` (torch); ``basis_lite.estimators.explained_variance``
 imports it on first access.
@@ -36,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import ConfigError
-from . import basis_options, probe_options
+from . import basis_options, probe_options, reference_options
 
 __all__ = ["EstimatorContext", "EstimatorSpec", "register", "unregister", "get_estimator", "estimator_names"]
 
@@ -85,7 +90,16 @@ class EstimatorSpec:
     state: options -> an object the trainer keeps across steps (or None), passed as
         ``ctx.state``: after the baselines the trainer calls its ``observe(step, prompt_ids, rewards)``, saves its
         ``state_dict()`` in checkpoints and restores it with ``load_state_dict``; ``metrics()``, if it has one,
-        adds fields to the step's metrics line. None: the estimator keeps no state.
+        adds fields to the step's metrics line; ``accept``, if not None, is the prompt sampler's
+        (``PromptSampler.accept``); ``set_reference(table)``, if it has one, receives the reference samples (below);
+        ``tracks_drift`` True makes the trainer measure the policy's drift on the responses it keeps (see spo.py).
+        None: the estimator keeps no state.
+    uses_reference: the estimator reads the K reference samples per training prompt (``estimator.prior_samples``,
+        the prior table of rl/priors.py, cached): the trainer loads them and hands the table to the state's
+        ``set_reference``; ``min_reference`` is the K it needs at least (0: it runs without).
+    loss: the policy loss that ``train.loss: auto`` picks for this estimator ('' = ppo_clip).
+    picks_prompts: options -> whether the state's ``accept`` chooses the training prompts (then
+        ``data.value_sampling``, which chooses them too, is refused); None = never. Torch-free.
     """
 
     name: str
@@ -101,6 +115,10 @@ class EstimatorSpec:
     uses_trajectory: bool = False
     replay_capacity: Callable[[dict], int | None] | None = None
     state: Callable[[dict], Any] | None = None
+    uses_reference: bool = False
+    min_reference: int = 0
+    loss: str = ""
+    picks_prompts: Callable[[dict], bool] | None = None
 
     def normalizes(self, setting: str | bool) -> bool:
         """``estimator.normalize`` resolved for this estimator: always, never, or auto (``normalize_auto``);
@@ -139,7 +157,7 @@ class EstimatorSpec:
         """The estimator function: ``fn``, or the one ``@estimator(name)`` bound (its modules imported now)."""
         if self.fn is not None:
             return self.fn
-        from . import basis_mix, poise, simple  # noqa: F401  (torch, only now: their @estimator lines bind the functions)
+        from . import astar, basis_mix, poise, simple, spo  # noqa: F401  (torch, only now: their @estimator lines bind the functions)
         from .base import bound_function
 
         fn = bound_function(self.name)
@@ -223,6 +241,20 @@ def _basis_state(options: dict):
     return make_state(options)
 
 
+def _astar_state(options: dict):
+    """A*-PO's state (V* per prompt from the reference samples); its module needs torch: imported when a run starts."""
+    from .astar import AStarState
+
+    return AStarState(options)
+
+
+def _spo_state(options: dict):
+    """SPO's state (the per-prompt tracker); its module needs torch: imported when a run starts."""
+    from .spo import SPOState
+
+    return SPOState(options)
+
+
 register(EstimatorSpec(
     "basis", min_rollouts=1, uses_features=True, uses_prior=True, uses_history=True,
     description="BASIS: each prompt's baseline from the other prompts of the batch (kernel-weighted by prompt "
@@ -252,3 +284,15 @@ register(EstimatorSpec(
                 "prompt (their hidden states and token entropies), refit on earlier steps; b_i never uses r_i",
     check_options=probe_options.validate_poise,
     replay_capacity=probe_options.replay_capacity_poise))
+register(EstimatorSpec(
+    "astar", min_rollouts=1, uses_reference=True, min_reference=1, loss="astar",
+    description="A*-PO: baseline V*(x) = beta log mean_k exp(r_k / beta) over K reference samples drawn before "
+                "training (estimator.prior_samples); its own least-squares loss; b_i never uses r_i",
+    check_options=reference_options.validate_astar, state=_astar_state,
+    picks_prompts=reference_options.astar_picks_prompts))
+register(EstimatorSpec(
+    "spo", min_rollouts=1, uses_reference=True, whitened=True,
+    description="SPO: baseline = the prompt's tracked success rate (Beta counts decayed by the policy's drift since "
+                "its last visit), advantages whitened over the batch (whose mean includes r_i), prompts sampled by "
+                "uncertainty", check_options=reference_options.validate_spo, state=_spo_state,
+    picks_prompts=reference_options.spo_picks_prompts))

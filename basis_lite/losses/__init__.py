@@ -17,15 +17,18 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-__all__ = ["LossSpec", "LOSSES", "AGGREGATIONS", "LEVELS", "trl_loss_types", "loss_names", "aggregation_names",
-           "check_loss_config", "loss_help", "aggregation_help"]
+__all__ = ["LossSpec", "LOSSES", "AGGREGATIONS", "LEVELS", "AUTO", "trl_loss_types", "loss_names",
+           "aggregation_names", "check_loss_config", "loss_help", "aggregation_help"]
 
 
 @dataclass(frozen=True)
 class LossSpec:
     """A policy loss or an aggregation: its name here, TRL's loss_type for it ('' = none), the formula it computes,
-    a few words for the config's help (``summary``), and (policy losses) the importance-sampling levels it accepts
-    and the aggregation TRL's loss_type pairs it with."""
+    a few words for the config's help (``summary``), and (policy losses) the importance-sampling levels it accepts,
+    the aggregation TRL's loss_type pairs it with (or its own), whether that is the only aggregation it takes
+    (``only_aggregation``: then `train.loss_aggregation: auto` picks it and the others are refused), whether it
+    reads the reference policy's log-probs (``reference``: the base, adapter off, one more forward per micro-batch)
+    and the estimator it needs ('' = any)."""
 
     name: str
     trl: str
@@ -33,6 +36,9 @@ class LossSpec:
     levels: tuple = ("token", "sequence")
     summary: str = ""
     aggregation: str = "token-mean"
+    only_aggregation: bool = False
+    reference: bool = False
+    estimator: str = ""
 
 
 LEVELS = ("token", "sequence")
@@ -52,7 +58,12 @@ LOSSES = {s.name: s for s in (
                                "exp(lambda + k log w - lambda w), (k, lambda) = (vespo_k_pos, vespo_lambda_pos) where "
                                "A >= 0, else the _neg pair", levels=("token",),
              summary="REINFORCE weighted by a gamma function of the sequence ratio"),
+    LossSpec("astar", "", "(astar_beta sum_t (lp - lp_ref) - A)^2 per sequence, A = r - V*(x) (A*-PO's least "
+                          "squares; every token of sequence i holds its squared error)", levels=("token",),
+             summary="A*-PO's least squares on r - V*; estimator astar only", aggregation="seq-mean-token-mean",
+             only_aggregation=True, reference=True, estimator="astar"),
 )}
+AUTO = "auto"  # train.loss: the estimator's own loss (else ppo_clip); train.loss_aggregation: see check_loss_config
 
 AGGREGATIONS = {s.name: s for s in (
     LossSpec("token-mean", "dapo", "sum_{i,t} m l / N, N = completion tokens of the whole step (all ranks)"),
@@ -81,9 +92,11 @@ def aggregation_names(with_trl: bool = False) -> tuple:
 
 
 def loss_help() -> str:
-    """train.loss's meaning: every policy loss with its summary (and TRL's loss_type name, where it has one)."""
-    return " | ".join(f"{s.name} ({s.summary}" + (f"; TRL: loss_type {s.trl})" if s.trl else ")")
-                      for s in LOSSES.values())
+    """train.loss's meaning: auto, then every policy loss with its summary (and TRL's loss_type name, where it has
+    one)."""
+    own = ", ".join(f"{s.name} for {s.estimator}" for s in LOSSES.values() if s.estimator)
+    return f"{AUTO} (the estimator's own: {own}, else ppo_clip) | " + " | ".join(
+        f"{s.name} ({s.summary}" + (f"; TRL: loss_type {s.trl})" if s.trl else ")") for s in LOSSES.values())
 
 
 def aggregation_help() -> str:
@@ -92,7 +105,9 @@ def aggregation_help() -> str:
                       for i, s in enumerate(AGGREGATIONS.values()))
     losses = "".join(f", whose {s.trl} means train.loss={s.name} with {s.aggregation}"
                      for s in LOSSES.values() if s.trl)
-    return f"how per-token losses become the step's loss: {aggs}; TRL: loss_type{losses}"
+    own = ", ".join(f"{s.aggregation} for {s.name}" for s in LOSSES.values() if s.only_aggregation)
+    return (f"how per-token losses become the step's loss: {AUTO} ({own}, the only one it takes; else token-mean) | "
+            f"{aggs}; TRL: loss_type{losses}")
 
 
 def canonical_aggregation(name: str) -> str:
@@ -102,16 +117,23 @@ def canonical_aggregation(name: str) -> str:
     for spec in AGGREGATIONS.values():
         if name == spec.trl:
             return spec.name
-    raise ConfigError(f"train.loss_aggregation: {name!r} is not accepted; choose one of "
+    raise ConfigError(f"train.loss_aggregation: {name!r} is not accepted; choose one of {AUTO}, "
                       f"{', '.join(f'{s.name} (TRL: {s.trl})' for s in AGGREGATIONS.values())}")
 
 
-def check_loss_config(train) -> None:
+def check_loss_config(train, estimator_loss: str = "") -> None:
     """Check train.loss, train.loss_aggregation (TRL's loss_type names read as ours, in place: sapo sets
     train.loss=sapo with seq-mean-token-mean, as TRL aggregates it) and train.importance_sampling_level together;
-    ConfigError naming the key, the value and what is accepted."""
+    `auto` is resolved in place (train.loss: `estimator_loss`, the estimator's own, else ppo_clip; the aggregation:
+    the loss's only one where it has one, else token-mean). ConfigError naming the key, the value and what is
+    accepted."""
+    if train.loss == AUTO:
+        train.loss = estimator_loss or "ppo_clip"
     if train.loss not in LOSSES:
-        raise ConfigError(f"train.loss: {train.loss!r} is not accepted; choose one of {', '.join(LOSSES)}")
+        raise ConfigError(f"train.loss: {train.loss!r} is not accepted; choose one of {AUTO}, {', '.join(LOSSES)}")
+    own = LOSSES[train.loss]
+    if train.loss_aggregation == AUTO:
+        train.loss_aggregation = own.aggregation if own.only_aggregation else "token-mean"
     by_trl = {s.trl: s for s in LOSSES.values() if s.trl}
     if train.loss_aggregation in by_trl:  # TRL's loss_type cispo / sapo / vespo: that loss, aggregated as TRL does
         spec = by_trl[train.loss_aggregation]
@@ -120,6 +142,9 @@ def check_loss_config(train) -> None:
                               f"train.loss={spec.name}, but train.loss is {train.loss}; set one of them")
         train.loss, train.loss_aggregation = spec.name, spec.aggregation
     train.loss_aggregation = canonical_aggregation(train.loss_aggregation)
+    if own.only_aggregation and train.loss_aggregation != own.aggregation:
+        raise ConfigError(f"train.loss_aggregation: {train.loss_aggregation!r} is not accepted with train.loss="
+                          f"{train.loss}, which takes {own.aggregation} only; use {own.aggregation} or {AUTO}")
     level = train.importance_sampling_level
     if level not in LEVELS:
         raise ConfigError(f"train.importance_sampling_level: {level!r} is not accepted; choose one of "

@@ -221,6 +221,7 @@ class PolicyBatch:
     old_logprobs: Tensor  # the policy the ratio compares with (detached)
     advantages: Tensor
     mask: Tensor
+    ref_logprobs: Optional[Tensor] = None  # the reference policy's (adapter off), for losses whose spec says so
 
 
 @dataclass
@@ -238,12 +239,13 @@ class LossOptions:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    astar_beta: float = 1e-3
 
     @classmethod
     def from_train(cls, t) -> "LossOptions":
         return cls(t.clip_low, t.clip_high, t.bpo_eps, t.bpo_cap, t.importance_sampling_level,
                    t.sapo_temperature_pos, t.sapo_temperature_neg, t.vespo_k_pos, t.vespo_lambda_pos,
-                   t.vespo_k_neg, t.vespo_lambda_neg)
+                   t.vespo_k_neg, t.vespo_lambda_neg, t.astar_beta)
 
 
 @dataclass
@@ -544,6 +546,29 @@ def bpo(b: PolicyBatch, o: LossOptions) -> tuple[Tensor, dict]:
             "ratio_mean": _frac(log_ratio.exp(), m),
         }
     return per_token, stats
+
+
+@policy_loss("astar")
+def astar_regression(b: PolicyBatch, o: LossOptions) -> tuple[Tensor, dict]:
+    """A*-PO's least-squares regression (arXiv 2505.20686; TRL A2POTrainer.compute_loss), one error per sequence:
+
+        s_i = astar_beta * sum_t m (lp - lp_ref)        the implicit reward of completion i
+        L_i = (s_i - A_i)^2                             A_i = r_i - V*(x_i), estimator astar's advantage
+
+    Every masked token of sequence i holds L_i, so seq-mean-token-mean (the aggregation the loss's spec requires)
+    gives TRL's mean over the step's sequences. The gradient flows through lp; `old_logprobs` is not read (no
+    importance ratio: the regression is on-policy by construction). Stats: clip_fraction (0), implicit_reward_mean.
+    """
+    if b.ref_logprobs is None:
+        raise ValueError("astar loss: PolicyBatch.ref_logprobs is None (the reference policy's log-probs)")
+    m = b.mask.bool()
+    log_ratio = torch.where(m, b.logprobs - b.ref_logprobs.to(b.logprobs.dtype), torch.zeros_like(b.logprobs))
+    implicit = o.astar_beta * log_ratio.sum(-1)  # [B]
+    adv = b.advantages.to(b.logprobs.dtype)
+    target = adv if adv.dim() == 1 else adv[:, 0]
+    per_seq = (implicit - target) ** 2
+    stats = {"clip_fraction": b.logprobs.new_zeros(()).detach(), "implicit_reward_mean": implicit.detach().mean()}
+    return per_seq[:, None].expand_as(b.logprobs), stats
 
 
 def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,

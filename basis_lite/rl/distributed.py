@@ -135,6 +135,28 @@ class Ranks:
         return None
 
 
+def gather_items(ranks: Ranks, items: list, total: int) -> list:
+    """Each rank's share (`bounds(total)`) of a list whose entries are lists of floats or None -> the whole list,
+    in order, on every rank (one process: the list itself). The floats travel as float64 (token ids and float32
+    values arrive exactly)."""
+    if not ranks.active:
+        return list(items)
+    width = 2 + int(ranks.max([float(max((len(x) for x in items if x is not None), default=0))])[0])
+    per = -(-total // ranks.world)  # the largest share
+    rows = torch.zeros(per, width, dtype=torch.float64)
+    for k, x in enumerate(items):
+        if x is not None:
+            rows[k, 0], rows[k, 1] = 1.0, float(len(x))
+            rows[k, 2:2 + len(x)] = torch.tensor(x, dtype=torch.float64)
+    got = ranks.gather_rows(rows)
+    out: list = []
+    for r in range(ranks.world):
+        for k in range(total * (r + 1) // ranks.world - total * r // ranks.world):
+            row = got[r * per + k]
+            out.append(row[2:2 + int(row[1])].tolist() if row[0] else None)
+    return out
+
+
 def evaluate_sharded(ranks: Ranks, examples: list, evaluate_fn) -> dict:
     """`evaluate_fn(examples)` on this rank's share, the counts summed over ranks (one process: a plain call)."""
     if not ranks.active:

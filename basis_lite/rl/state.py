@@ -78,6 +78,11 @@ class RunState:
     def with_prior(self) -> bool:
         return self.estimator.with_prior(self.cfg.estimator)
 
+    @property
+    def tracks_drift(self) -> bool:
+        """The estimator's state measures the policy's drift on responses it keeps (spo)."""
+        return bool(getattr(self.est_state, "tracks_drift", False))
+
 
 def checkpoint_state(run: RunState) -> dict:
     """The trainer state a checkpoint stores next to the adapter; `check_checkpoint` and `restore` read it back."""
@@ -149,11 +154,16 @@ def _fresh_state(run: RunState, train_ex, initial: dict, adapter_name: str) -> N
 
 def fresh_learning_state(run: RunState) -> None:
     """The state the estimator and the sampler learn across steps, as at step 0: the replay buffer, the estimator's
-    own state (BASIS mix), and the value tracker that prompt selection by value reads."""
+    own state (BASIS mix, A*-PO's V*, SPO's tracker; handed the reference samples when the run has them, and the
+    sampler's prompt choice when it makes one), and the value tracker that prompt selection by value reads."""
     cfg = run.cfg
     capacity = run.estimator.replay_capacity(cfg.estimator.options) if run.estimator.replay_capacity else None
     run.replay = ReplayBuffer(capacity) if capacity else None
     run.est_state = run.estimator.make_state(cfg.estimator.options)
+    if run.prior_table is not None and hasattr(run.est_state, "set_reference"):
+        run.est_state.set_reference(run.prior_table)
+    if getattr(run.est_state, "accept", None) is not None:
+        run.sampler.accept = run.est_state.accept
     run.value_tracker = None
     if cfg.data.value_sampling > 0:
         run.value_tracker = ValueTracker(decay=0.9)

@@ -21,7 +21,7 @@ detached and multiplied into every token's loss:
 The engine/trainer log-ratio is reported whenever the engine gave log-probs.
 
 Where the time goes (stats, per rank): `forward_s` (the forward with the graph, which gives the policy's log-probs),
-`logprob_s` (forward-only log-prob passes: the reference policy's, for the KL term),
+`logprob_s` (forward-only log-prob passes: the reference policy's, for the KL term and losses that read it),
 `backward_s` and `optimizer_s` (clipping and the optimizer step). What it costs in tokens, independent of the
 machine (summed over the ranks): `trained_tokens` (prompt + completion tokens through forward and backward, every
 pass) and `forward_only_tokens` (tokens through the forward-only passes).
@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -39,6 +40,7 @@ from ..config import Config
 from ..engines import get_engine
 from ..errors import ConfigError
 from ..faults import maybe_kill
+from ..losses import LOSSES
 from ..losses.policy import (
     LossOptions,
     Normalizer,
@@ -206,9 +208,11 @@ def behaviour_weights(cfg: Config, rollouts, eapo_w, old: torch.Tensor, mask: to
 def micro_batches(cfg: Config, rollouts, advantages: torch.Tensor) -> list[list[int]]:
     """The rollouts that train, in micro-batches of `train.micro_batch_size` of similar lengths (each is padded to
     its longest sequence, so sorting wastes fewer FLOPs). A rollout whose advantage is exactly 0 adds nothing to the
-    policy loss and is left out unless a KL term needs it (its tokens still count in the divisors)."""
+    policy loss and is left out unless a KL term needs it or the loss regresses toward the reference (A*-PO's
+    squared error has a gradient at A = 0 too); its tokens still count in the divisors."""
     t = cfg.train
-    idx = [i for i in range(len(rollouts)) if t.kl_coef > 0 or advantages[i].item() != 0.0]
+    every = t.kl_coef > 0 or LOSSES[t.loss].reference
+    idx = [i for i in range(len(rollouts)) if every or advantages[i].item() != 0.0]
     idx.sort(key=lambda i: len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids))
     return [idx[s:s + t.micro_batch_size] for s in range(0, len(idx), t.micro_batch_size)]
 
@@ -245,6 +249,31 @@ def sync_clock(device) -> float:
     return time.time()
 
 
+def response_drift(cfg: Config, model, responses: list, pad_id: int, device) -> tuple[list[float], int]:
+    """For each kept response (token ids, prompt length, float32 log-probs of its completion tokens when it was
+    sampled): the mean |log-prob now - log-prob then| over its completion tokens, scored by the current policy as
+    the update's forward scores it (same attention kernel, logits / generation.temperature), without a graph.
+    Returns (drifts, tokens forwarded). Used by estimators whose state tracks the policy's drift (spo)."""
+    out: list[float] = []
+    rolls = [SimpleNamespace(prompt_ids=ids[:n], completion_ids=ids[n:]) for ids, n, _ in responses]
+    mbs = cfg.train.micro_batch_size
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), training_attention(model):
+            for s in range(0, len(rolls), mbs):
+                chunk = rolls[s:s + mbs]
+                batch = tuple(x.to(device) for x in pack_sequences(chunk, cfg.model.max_seq_length, pad_id))
+                lp = sequence_logprobs(model, *batch, chunk_size=cfg.train.logprob_chunk_size,
+                                       temperature=cfg.generation.temperature or 1.0).logprobs.cpu()
+                for i, (r, (_, n, then)) in enumerate(zip(chunk, responses[s:s + mbs])):
+                    now = lp[i, n - 1:n - 1 + len(then)]
+                    out.append(float((now - then.float()).abs().mean()) if len(then) else 0.0)
+    finally:
+        model.train(was)
+    return out, sum(len(ids) for ids, _, _ in responses)
+
+
 @dataclass
 class _Step:
     """One policy_update call: its inputs and what its passes share."""
@@ -260,9 +289,10 @@ class _Step:
     mbs: list  # micro-batches of rollout indices (micro_batches)
     eapo_w: list  # per rollout: EAPO token weights or None
     acc: dict = field(default_factory=lambda: {"sum": 0.0, "n": 0, "max": 0.0, "truncated": 0})  # engine log-ratio
-    first_pass: dict = field(default_factory=dict)  # micro-batch -> (old log-probs, weights) of the first pass
+    first_pass: dict = field(default_factory=dict)  # micro-batch -> (old log-probs, weights, ref) of the first pass
     times: dict = field(default_factory=lambda: {"forward_s": 0.0, "logprob_s": 0.0, "backward_s": 0.0,
                                                  "optimizer_s": 0.0})
+    logprobs_out: dict | None = None  # rollout index -> its completion tokens' old log-probs, when the caller asks
 
 
 def run_pass(s: _Step, epoch: int) -> dict:
@@ -275,6 +305,7 @@ def run_pass(s: _Step, epoch: int) -> dict:
         ep.update(entropy_sum=0.0, ent_tokens=0.0, trained=float(sum(map(len, s.mbs))))
     opts = LossOptions.from_train(t)
     temperature = cfg.generation.temperature or 1.0  # the sampling distribution's: logits / T (T = 0 is greedy: 1)
+    needs_ref = LOSSES[t.loss].reference
     for k, mb in enumerate(s.mbs):
         rolls = [s.rollouts[i] for i in mb]
         batch = tuple(x.to(s.device) for x in pack_sequences(rolls, cfg.model.max_seq_length, s.pad_id))
@@ -288,11 +319,21 @@ def run_pass(s: _Step, epoch: int) -> dict:
         if epoch == 0:
             old = out.logprobs.detach()
             weights = behaviour_weights(cfg, rolls, [s.eapo_w[i] for i in mb], old, out.mask, s.acc)
+            ref = None
+            if needs_ref:
+                r0 = sync_clock(s.device)
+                ref = reference_logprobs(cfg, s.model, batch, temperature)
+                s.times["logprob_s"] += sync_clock(s.device) - r0
+                ep["forward_only_tokens"] += tokens
             if t.ppo_epochs > 1:
-                s.first_pass[k] = (old, weights)
+                s.first_pass[k] = (old, weights, ref)
+            if s.logprobs_out is not None:
+                for row, i in enumerate(mb):
+                    n, c = len(s.rollouts[i].prompt_ids), int(out.mask[row].sum())
+                    s.logprobs_out[i] = old[row, n - 1:n - 1 + c].cpu()
         else:
-            old, weights = s.first_pass[k]
-        pb = PolicyBatch(out.logprobs, old, s.advantages[mb].to(s.device), out.mask)
+            old, weights, ref = s.first_pass[k]
+        pb = PolicyBatch(out.logprobs, old, s.advantages[mb].to(s.device), out.mask, ref)
         loss, ls = compute_policy_loss(t.loss, t.loss_aggregation, pb, opts, s.norm, weights)
         if t.kl_coef > 0:
             r0 = sync_clock(s.device)
@@ -345,14 +386,15 @@ def engine_ratio_stats(cfg: Config, acc: dict, ranks: Ranks) -> dict:
 
 
 def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
-                  step: int = 0, scaler=None, ranks: Ranks | None = None):
+                  step: int = 0, scaler=None, ranks: Ranks | None = None, logprobs_out: dict | None = None):
     """See `_policy_update`; runs it with the update's attention kernel (model.loading.training_attention)."""
     with training_attention(model):
-        return _policy_update(cfg, model, optimizer, rollouts, advantages, pad_id, device, step, scaler, ranks)
+        return _policy_update(cfg, model, optimizer, rollouts, advantages, pad_id, device, step, scaler, ranks,
+                              logprobs_out)
 
 
 def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
-                   step: int = 0, scaler=None, ranks: Ranks | None = None):
+                   step: int = 0, scaler=None, ranks: Ranks | None = None, logprobs_out: dict | None = None):
     """`train.ppo_epochs` optimizer steps on one batch of rollouts; each accumulates the loss over the
     micro-batches, then clips and steps. Returns (stats, ok).
 
@@ -361,7 +403,9 @@ def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Te
     over the passes; entropy is the first pass's. A non-finite pass stops the update (ok False); the passes before
     it have stepped. `ranks` (data-parallel, basis_lite.rl.distributed; default: one process alone): `rollouts` are
     this rank's share, the counts are the global batch's, and each pass's gradients and statistics are summed over
-    the ranks before clipping, so every rank takes the same steps.
+    the ranks before clipping, so every rank takes the same steps. `logprobs_out` (a dict, optional) receives, per
+    index of a rollout that trained, the float32 log-probs of its completion tokens from the first pass's forward
+    (the policy that sampled it, as the trainer scores it).
     """
     ranks = ranks if ranks is not None else Ranks()
     stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "trained_tokens": 0.0, "forward_only_tokens": 0.0}
@@ -370,7 +414,7 @@ def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Te
         eapo_w, eapo_stats = eapo_token_weights(cfg, rollouts)
         stats.update(eapo_stats)
     s = _Step(cfg, model, rollouts, advantages, pad_id, device, scaler, norm=step_normalizer(cfg, rollouts, ranks),
-              mbs=micro_batches(cfg, rollouts, advantages), eapo_w=eapo_w)
+              mbs=micro_batches(cfg, rollouts, advantages), eapo_w=eapo_w, logprobs_out=logprobs_out)
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     grad_norms: list = []

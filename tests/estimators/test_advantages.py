@@ -51,12 +51,23 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+def reference_table(B: int, k: int = 4) -> dict:
+    """A reference-sample table (rl/priors.py's layout) for prompts p0..p{B-1}: K reward totals each, varied."""
+    rewards = {f"p{i}": [float((i * 7 + j * 3) % 5 == 0) + 0.25 * (j == i % k) for j in range(k)] for i in range(B)}
+    return {"k": k, "rewards": rewards, "counts": {i: int(sum(x >= 1 for x in r)) for i, r in rewards.items()}}
+
+
 def compute(name, rewards, prior=None, features=None, normalize=False, **options):
-    """The registered estimator ``name`` through its one interface: (advantages [B, G], baselines [B, G])."""
+    """The registered estimator ``name`` through its one interface: (advantages [B, G], baselines [B, G]). An
+    estimator that reads reference samples gets its state with `reference_table(B)`."""
     B = rewards.shape[0] if rewards.dim() else 0
+    spec = get_estimator(name)
+    state = spec.make_state(options)
+    if spec.uses_reference:
+        state.set_reference(reference_table(B))
     ctx = EstimatorContext(prompt_ids=[f"p{i}" for i in range(B)], prior=prior, features=features, options=options,
-                           normalize=normalize)
-    return get_estimator(name).compute(rewards, ctx)
+                           normalize=normalize, state=state)
+    return spec.compute(rewards, ctx)
 
 
 def _batch(B: int, seed: int = 0, binary: bool = True):
@@ -587,6 +598,18 @@ def _formula(name, r, prior, feats):
                               None if feats is None else feats.repeat_interleave(G, dim=0))
         base = rows.reshape(B, G)
         return r - base, base
+    if name == "astar":  # V* = 0.5 log mean_k exp(r_k / 0.5) of the prompt's reference rewards
+        table = reference_table(B)
+        v = torch.tensor([0.5 * math.log(sum(math.exp(x / 0.5) for x in table["rewards"][f"p{i}"]) / table["k"])
+                          for i in range(B)], dtype=r.dtype)
+        base = v[:, None].expand(B, G)
+        return r - base, base
+    if name == "spo":  # the Beta tracker at its start: N0 (s + 1/2) / (K + 1) over N0, whitened r - v
+        table = reference_table(B)
+        v = torch.tensor([(table["counts"][f"p{i}"] + 0.5) / (table["k"] + 1) for i in range(B)], dtype=r.dtype)
+        base = v[:, None].expand(B, G)
+        a = r - base
+        return ((a - a.mean()) / (a.std() + 1e-6) if a.numel() > 1 else a), base
     raise AssertionError(f"no reference formula for the registered estimator {name!r}: add one here")
 
 
@@ -603,7 +626,7 @@ def test_registry_compute_matches_the_formulas(name):
             for normalize in (False, True):
                 adv, base = compute(name, r, *side, normalize=normalize)
                 want_adv, want_base = _formula(name, r, *side)
-                if normalize and name != "reinforce_pp" and want_adv.numel() > 1:  # reinforce_pp is already whitened
+                if normalize and not spec.whitened and want_adv.numel() > 1:  # reinforce_pp, spo: whitened already
                     want_adv = want_adv / (want_adv.std() + 1e-6)
                 torch.testing.assert_close(base, want_base, rtol=1e-9, atol=1e-12)
                 torch.testing.assert_close(adv, want_adv, rtol=1e-9, atol=1e-9)
@@ -611,19 +634,21 @@ def test_registry_compute_matches_the_formulas(name):
 
 
 def test_registry_specs():
-    assert estimator_names() == ("basis", "reinforce_pp", "grpo", "dr_grpo", "rloo", "basis_probe", "poise")
+    assert estimator_names() == ("basis", "reinforce_pp", "grpo", "dr_grpo", "rloo", "basis_probe", "poise",
+                                 "astar", "spo")
     want = {"basis": (1, True, True, True), "reinforce_pp": (1, False, False, False),
             "grpo": (2, False, False, False), "dr_grpo": (2, False, False, False), "rloo": (2, False, False, False),
-            "basis_probe": (1, True, False, True), "poise": (2, True, False, False)}
+            "basis_probe": (1, True, False, True), "poise": (2, True, False, False),
+            "astar": (1, False, False, False), "spo": (1, False, False, False)}
     for name, (g, feats, prior, hist) in want.items():
         spec = get_estimator(name)
         assert (spec.name, spec.min_rollouts, spec.uses_features, spec.uses_prior, spec.uses_history) == \
             (name, g, feats, prior, hist)
         assert spec.description
     # the docs say which baselines include the rollout's own reward
-    for name in ("reinforce_pp", "grpo", "dr_grpo"):
+    for name in ("reinforce_pp", "grpo", "dr_grpo", "spo"):
         assert "includes r_i" in get_estimator(name).description
-    for name in ("basis", "rloo", "basis_probe", "poise"):
+    for name in ("basis", "rloo", "basis_probe", "poise", "astar"):
         assert "never uses r_i" in get_estimator(name).description
     with pytest.raises(ConfigError, match=r"estimator\.name: 'ppo' .*basis, reinforce_pp, grpo, dr_grpo, rloo, "
                                           r"basis_probe, poise"):
@@ -647,7 +672,8 @@ def test_a_registered_estimator_is_usable_by_name():
         cfg = load_config("smoke", ["estimator.name=test_half", "estimator.rollouts_per_prompt=3"])
         assert cfg.estimator.name == "test_half"
         with pytest.raises(ConfigError, match=r"rollouts_per_prompt >= 3 \(got 2\); use basis or reinforce_pp or "
-                                              r"grpo or dr_grpo or rloo or basis_probe or poise for 2 rollouts"):
+                                              r"grpo or dr_grpo or rloo or basis_probe or poise or astar or spo for 2 "
+                                              r"rollouts"):
             load_config("smoke", ["estimator.name=test_half", "estimator.rollouts_per_prompt=2"])
         r = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]], dtype=D)
         adv, base = compute("test_half", r)

@@ -129,6 +129,10 @@ def test_micro_batches_add_up_to_the_whole_step(name):
     (["loss_type=vespo"], "vespo", "token-mean", "token"),
     (["loss_type=luspo", "importance_sampling_level=sequence"], "ppo_clip", "seq-mean-token-sum", "sequence"),
     (["train.loss=bpo", "train.loss_aggregation=seq-mean-token-mean"], "bpo", "seq-mean-token-mean", "token"),
+    # auto: the estimator's own loss and that loss's own aggregation
+    (["estimator.name=astar", "estimator.prior_samples=2"], "astar", "seq-mean-token-mean", "token"),
+    (["estimator.name=astar", "estimator.prior_samples=2", "train.loss=ppo_clip"], "ppo_clip", "token-mean", "token"),
+    (["estimator.name=spo"], "ppo_clip", "token-mean", "token"),
 ])
 def test_config_reads_trl_names(overrides, loss, agg, level):
     t = load_config("smoke", overrides).train
@@ -136,8 +140,19 @@ def test_config_reads_trl_names(overrides, loss, agg, level):
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["train.loss=reinforce"], r"train\.loss: 'reinforce' is not accepted; choose one of ppo_clip, bpo, cispo"),
-    (["loss_type=sum"], r"train\.loss_aggregation: 'sum' is not accepted; choose one of token-mean, .*dr_grpo"),
+    (["train.loss=reinforce"], r"train\.loss: 'reinforce' is not accepted; choose one of auto, ppo_clip, bpo, cispo, "
+                               r".*astar"),
+    (["loss_type=sum"], r"train\.loss_aggregation: 'sum' is not accepted; choose one of auto, token-mean, .*dr_grpo"),
+    (["train.loss=astar"], r"train\.loss: astar regresses onto the advantages of estimator astar .*not basis's; set "
+                           r"estimator\.name=astar or train\.loss=auto"),
+    (["estimator.name=astar", "estimator.prior_samples=2", "loss_type=dapo"],
+     r"train\.loss_aggregation: 'token-mean' is not accepted with train\.loss=astar, which takes seq-mean-token-mean "
+     r"only"),
+    (["estimator.name=astar", "estimator.prior_samples=2", "train.importance_sampling_level=sequence"],
+     r"train\.importance_sampling_level: 'sequence' is not accepted with train\.loss=astar"),
+    (["estimator.name=astar", "estimator.prior_samples=2", "estimator.normalize=always"],
+     r"estimator\.normalize: always would divide the regression target of train\.loss=astar"),
+    (["estimator.name=astar", "estimator.prior_samples=0"], r"estimator\.prior_samples: astar needs K >= 1 .*got 0"),
     (["train.loss=bpo", "importance_sampling_level=sequence"],
      r"train\.importance_sampling_level: 'sequence' is not accepted with train\.loss=bpo"),
     (["train.loss=bpo", "loss_type=cispo"], r"means train\.loss=cispo, but train\.loss is bpo"),
@@ -154,7 +169,7 @@ def test_config_rejects_bad_loss_settings(overrides, match):
     ["train.loss=ppo_clip"], ["train.loss=bpo"], ["train.loss=cispo"], ["loss_type=grpo"], ["loss_type=bnpo"],
     ["loss_type=dr_grpo"], ["importance_sampling_level=sequence"],
     ["train.loss=cispo", "importance_sampling_level=sequence"], ["loss_type=sapo"], ["loss_type=vespo"],
-    ["loss_type=luspo", "importance_sampling_level=sequence"],
+    ["loss_type=luspo", "importance_sampling_level=sequence"], ["estimator.name=astar", "estimator.prior_samples=2"],
 ])
 def test_every_variant_updates_the_policy(overrides):
     """Two PPO passes (so that the ratio moves) of every variant on the tiny model: finite, and the weights move."""
@@ -174,6 +189,40 @@ def test_every_variant_updates_the_policy(overrides):
     stats, ok = policy_update(cfg, model, opt, rolls, torch.tensor([1.0, -0.5, 0.0, -1.0]), tok.pad_token_id,
                               torch.device("cpu"))
     assert ok and math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
-    assert stats["trained_sequences"] == 3  # the zero-advantage rollout is left out
+    # the zero-advantage rollout is left out, except by A*-PO's regression (its error has a gradient at A = 0)
+    assert stats["trained_sequences"] == (4 if cfg.train.loss == "astar" else 3)
+    assert stats["forward_only_tokens"] == (stats["trained_tokens"] / 2 if cfg.train.loss == "astar" else 0)
     moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p.detach(), before[n])]
     assert moved
+
+
+def test_astar_regression_hand_computation():
+    """A*-PO's loss: (beta * sum_t m (lp - lp_ref) - A)^2 per sequence, every token of it holding that value, so
+    seq-mean-token-mean is the mean over sequences (TRL's A2POTrainer.compute_loss); its gradient by hand."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5, 7.0], [-0.3, -0.6, float("nan"), 0.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, -0.5, 0.0], [-0.4, -0.1, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    adv = torch.tensor([0.25, -0.5])
+    beta = 0.1
+    loss, stats = compute_policy_loss("astar", "seq-mean-token-mean",
+                                      PolicyBatch(lp, lp.detach(), adv, mask, ref_logprobs=ref),
+                                      LossOptions(astar_beta=beta), Normalizer())
+    s0, s1 = beta * (0.5 - 1.0 + 0.0), beta * (0.1 - 0.5)
+    e0, e1 = s0 - 0.25, s1 + 0.5
+    assert loss.item() == pytest.approx((e0 ** 2 + e1 ** 2) / 2, rel=1e-6)
+    assert stats["clip_fraction"].item() == 0.0 and stats["implicit_reward_mean"].item() == pytest.approx(
+        (s0 + s1) / 2, rel=1e-6)
+    loss.backward()
+    # d/d lp_{i,t} = 2 e_i beta / S on the masked tokens, 0 elsewhere (the nan and the masked 7.0 never count)
+    want = torch.tensor([[e0 * beta] * 3 + [0.0], [e1 * beta] * 2 + [0.0, 0.0]])
+    torch.testing.assert_close(lp.grad, want, atol=1e-7, rtol=1e-5)
+    # micro-batches add up to the step (the step's sequence count divides every part)
+    norm = Normalizer(num_sequences=2)
+    parts = sum(compute_policy_loss("astar", "seq-mean-token-mean",
+                                    PolicyBatch(lp[i:i + 1], lp[i:i + 1].detach(), adv[i:i + 1], mask[i:i + 1],
+                                                ref_logprobs=ref[i:i + 1]), LossOptions(astar_beta=beta), norm)[0]
+                for i in range(2))
+    assert parts.item() == pytest.approx(loss.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="ref_logprobs is None"):
+        compute_policy_loss("astar", "seq-mean-token-mean", PolicyBatch(lp, lp.detach(), adv, mask),
+                            LossOptions(), Normalizer())

@@ -3,6 +3,7 @@
 adapter, metrics and buffer as an uninterrupted run (the harness of tests/rl/test_resume.py)."""
 from __future__ import annotations
 
+import math
 import subprocess
 
 import pytest
@@ -21,11 +22,15 @@ ARMS = {
     # prompts, so every prompt comes back every other step
     "basis_mix": ["estimator.options={mix: true, probe_min_rows: 4}", "data.train_size=8",
                   "data.value_sampling=1.0"],
+    # SPO's tracker, its kept responses (the drift at a prompt's next visit) and its prompt sampling: 8 training
+    # prompts, initial counts from K=2 reference samples
+    "spo": ["estimator.name=spo", "estimator.prior_samples=2", "data.train_size=8"],
 }
 KILLS = [("poise", "generation:3"), ("poise", "checkpoint:3"), ("basis_probe", "optimizer:3"),
-         ("basis_mix", "generation:3")]
+         ("basis_mix", "generation:3"), ("spo", "generation:3")]
 COMPARED = ("reward_mean", "baseline_mean", "explained_variance", "loss", "advantage_std", "grad_norm",
-            "replay_rows", "mix_weight_loo", "mix_weight_tracker", "value_sampling_skipped")
+            "replay_rows", "mix_weight_loo", "mix_weight_tracker", "value_sampling_skipped", "spo_rho_mean",
+            "cum_trained_tokens", "cum_forward_only_tokens", "cum_reference_tokens")
 
 
 def _args(arm, run):
@@ -89,15 +94,31 @@ def test_killed_probe_run_resumes_exactly(runs, arm, point):
     wr, wg = adapter_weights(ref[arm] / "adapter"), adapter_weights(run / "adapter")
     for k in wr:
         torch.testing.assert_close(wg[k], wr[k], atol=1e-6, rtol=0, msg=k)
-    sr, sg = _replay(ref[arm]), _replay(run)
+    sr, sg = _replay(ref[arm]) or {}, _replay(run) or {}  # (spo keeps no replay buffer)
     assert sr.keys() == sg.keys()
     for k, v in sr.items():
         if isinstance(v, torch.Tensor):  # bit for bit (nan where a prompt had no sibling)
             torch.testing.assert_close(sg[k], v, rtol=0, atol=0, equal_nan=True, msg=k)
         else:
             assert v == sg[k], k
-    for key in ("estimator_state", "value_tracker", "sampler"):  # the mix's tracker and losses, bit for bit
-        assert _replay(run, key) == _replay(ref[arm], key), key
+    for key in ("estimator_state", "value_tracker", "sampler"):  # the trackers and mix losses, bit for bit
+        _assert_same(_replay(run, key), _replay(ref[arm], key), key)
+
+
+def _assert_same(a, b, where):
+    """a == b, nested, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=where)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
 
 
 def test_the_mix_tracks_repeated_prompts(runs):
@@ -107,3 +128,18 @@ def test_the_mix_tracks_repeated_prompts(runs):
     state = _replay(ref["basis_mix"], "estimator_state")
     assert state["tracker"]["t"] == STEPS and len(state["tracker"]["table"]) == 8  # all 8 prompts seen
     assert _replay(ref["basis_mix"], "value_tracker")["t"] == STEPS
+
+
+def test_spo_keeps_its_tracker_and_measures_the_drift_of_revisited_prompts(runs):
+    ref, _ = runs
+    recs = step_records(ref["spo"])
+    # step 1 sees its prompts for the first time (rho_max, nothing to measure); a revisited prompt's kept response is
+    # scored again (a forward-only pass) and its drift sets its decay; prioritized sampling decides which come back
+    assert recs[0]["spo_rho_mean"] == 0.96 and recs[0]["forward_only_tokens"] == 0
+    assert any(r["forward_only_tokens"] > 0 for r in recs[1:])
+    for r in recs:
+        assert (r["forward_only_tokens"] > 0) == (not math.isnan(r["spo_drift_mean"]))
+        assert 0.875 <= r["spo_rho_mean"] <= 0.96
+        assert math.isnan(r["spo_drift_mean"]) or r["spo_drift_mean"] > 0
+    state = _replay(ref["spo"], "estimator_state")
+    assert 4 < len(state["counts"]) <= 8 and set(state["responses"]["ids"]) == set(state["counts"])
