@@ -10,6 +10,9 @@ readers, paths that stay inside a folder, and a pickle-free format for nested st
     pin_fd(path)                            a shared flock that keeps a checkpoint from being pruned while read
     inside(base, path)                      True when `path` resolves inside `base`
     check_run_folder(run_dir)               ConfigError when a symlink in a run folder leads out of it
+    read_regular(path, limit, what)         the bytes of a regular file, at most `limit`; ValueError for a FIFO, a
+                                            device or a folder (checked on the file opened without blocking)
+    open_regular(path, what)                the same check, the file opened for reading line by line
     read_json(path, what)                   JSON of a small file, nesting bounded, ValueError on anything bad
     pack_state(obj) -> (json_tree, arrays)  nested dicts/lists/tuples/ndarrays -> JSON + a flat {name: ndarray}
     unpack_state(json_tree, arrays)         the inverse; nothing in it can run code
@@ -28,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -221,7 +225,7 @@ def held_by_other(run_dir: str | os.PathLike) -> str | None:
     """The holder's line when another process holds RUN_DIR's lock, else None (nothing is created)."""
     path = Path(run_dir) / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO planted as .lock must not block
     except OSError:
         return None
     try:
@@ -291,20 +295,64 @@ def check_run_folder(run_dir: str | os.PathLike) -> None:
                                   f"copy of what it points at, or remove it")
 
 
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path: str | os.PathLike, what: str = ""):
+    """`path` opened for reading (binary) when it is a regular file; ValueError (one line naming `what` or the file)
+    when it cannot be opened or is anything else: a FIFO, a device, a folder, a socket. The file is opened without
+    blocking (a FIFO with no writer would block an ordinary open) and checked on the open descriptor, so what is
+    checked is what is read."""
+    name = what or str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"{name}: cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((k for test, k in _KINDS if test(mode)), "a special file")
+            raise ValueError(f"{name}: {kind}, not a regular file; basis-lite reads it only from a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike, limit: int, what: str = "") -> bytes:
+    """The whole content of the regular file `path` (`open_regular`), at most `limit` bytes: ValueError naming it
+    when it holds more (read to limit + 1 bytes only, whatever its size claims)."""
+    name = what or str(path)
+    with open_regular(path, what) as f:
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise ValueError(f"{name}: cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    if len(data) > limit:
+        raise ValueError(f"{name}: larger than {_size(limit)}")
+    return data
+
+
+def _size(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 and n % (1 << 30) == 0 else (
+        f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes")
+
+
 MAX_JSON_BYTES = 64 << 20
 MAX_JSON_DEPTH = 64
 
 
 def read_json(path: str | os.PathLike, what: str = "", max_depth: int = MAX_JSON_DEPTH):
-    """The JSON value in a small file; ValueError (one line, naming `what` or the file) when it is unreadable, too
-    big, not UTF-8, not JSON or nested deeper than `max_depth` (the parser's recursion limit is never reached)."""
-    path = Path(path)
+    """The JSON value in a small regular file (`read_regular`); ValueError (one line, naming `what` or the file) when
+    it is unreadable, not a regular file, too big, not UTF-8, not JSON or nested deeper than `max_depth` (the
+    parser's recursion limit is never reached)."""
     name = what or str(path)
+    data = read_regular(path, MAX_JSON_BYTES, name)
     try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise ValueError(f"{name}: larger than {MAX_JSON_BYTES >> 20} MiB")
-        text = path.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise ValueError(f"{name}: unreadable ({type(e).__name__}: {e})") from None
     if json_depth(text) > max_depth:
         raise ValueError(f"{name}: nested deeper than {max_depth} levels")
