@@ -4,6 +4,8 @@ This module imports nothing from the package, so any module (and the torch-free 
 """
 from __future__ import annotations
 
+import reprlib
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the key and what would be accepted."""
@@ -38,3 +40,22 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signal_name: str = "SIGINT", message: str = ""):
         super().__init__(message or f"stopped by {signal_name}")
         self.signal_name = signal_name
+
+
+class _Brief(reprlib.Repr):
+    def __init__(self, limit: int):
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, limit, limit, 40
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 8
+
+    def repr_int(self, x, level):
+        if x.bit_length() > 128:  # str() of an int past Python's digit limit raises; long ones are cut anyway
+            return f"<an integer of about {x.bit_length() * 0.30103:.0f} digits>"
+        return super().repr_int(x, level)
+
+
+def brief(value, limit: int = 200) -> str:
+    """`repr(value)` cut to about `limit` characters, for an error message: a few items of each list or mapping, a
+    few levels deep, long texts and numbers shortened (a config value can be huge, or hold itself)."""
+    text = _Brief(limit).repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

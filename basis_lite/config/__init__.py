@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, brief
 from .fields import Range, bool_names, choices_of, help_text, must_be_set, range_of, refused_names, trl_name
 from .keys import (
     CHECKS,
@@ -127,43 +127,47 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
     if typ is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {brief(value)}")
     if typ is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {brief(value)}")
         return value
     if typ is float:
         if isinstance(value, str) and _SCI_FLOAT.fullmatch(value.strip()):
             value = float(value)  # YAML 1.1 (PyYAML) reads 1e-5 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
+            raise ConfigError(f"{key}: expected a number, got {brief(value)}")
         return float(value)
     if typ is str:
         if value is None:
             return ""
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {brief(value)}")
         return value
     if typ is list or origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list such as [a, b], got {value!r}")
+            raise ConfigError(f"{key}: expected a list such as [a, b], got {brief(value)}")
         return value
     if typ is dict or origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping such as {{a: 1}}, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping such as {{a: 1}}, got {brief(value)}")
         return value
     if isinstance(typ, types.UnionType) or origin is typing.Union:
         return value
     return value
 
 
-def _merge(root: Config, data: dict, prefix: str = "") -> None:
-    """Set the keys of `data` (a mapping for the section `prefix`) on `root`; TRL aliases are read as their
-    basis-lite key, unknown keys raise ConfigError with a did-you-mean and the keys accepted there."""
+def _merge(root: Config, data: dict, prefix: str = "", seen: dict | None = None, spelled: str = "") -> None:
+    """Set the keys of `data` (one config source: a preset file, a run's config, one --set; a mapping for the
+    section `prefix`) on `root`; TRL aliases are read as their basis-lite key, unknown keys raise ConfigError with a
+    did-you-mean and the keys accepted there. One source sets a key once: the same key given twice in it (TRL's
+    name and basis-lite's, or TRL's name at the top and in its section) with different values is ConfigError
+    naming both, whatever their order (`seen`: key -> (the name it was given by, its value) in this source)."""
+    seen = {} if seen is None else seen
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {brief(data)}")
     obj = get(root, prefix.rstrip(".")) if prefix else root
     hints = _hints(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
@@ -172,28 +176,40 @@ def _merge(root: Config, data: dict, prefix: str = "") -> None:
         if key not in names:
             if key in ALIASES and (not prefix or ALIASES[key].startswith(prefix)):
                 log.info("%s: TRL's name for %s", full, ALIASES[key])
-                _merge(root, _nest(ALIASES[key], value))
+                _merge(root, _nest(ALIASES[key], value), seen=seen, spelled=full)
                 continue
             if key in REFUSED:
-                raise ConfigError(f"{full}: not accepted. {REFUSED[key]}")
-            raise ConfigError(f"unknown config key '{full}'{_did_you_mean(prefix, str(key), names)}; accepted keys "
-                              f"here: {', '.join(names)}")
+                raise ConfigError(f"{brief(full)}: not accepted. {REFUSED[key]}")
+            raise ConfigError(f"unknown config key {brief(full)}{_did_you_mean(prefix, str(key)[:200], names)}; "
+                              f"accepted keys here: {', '.join(names)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
-            _merge(root, value, full + ".")
-        else:
-            setattr(obj, key, _coerce(value, hints[key], full))
+            _merge(root, value, full + ".", seen, spelled)
+            continue
+        value = _coerce(value, hints[key], full)
+        said = spelled or full
+        if full in seen and seen[full][1] != value:
+            first, before = seen[full]
+            raise ConfigError(f"{first}={brief(before)} and {said}={brief(value)} both set {full} in one config "
+                              f"source; give the key once (TRL's name or basis-lite's, not both)")
+        seen[full] = (said, value)
+        setattr(obj, key, value)
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.steps=10")
+        raise ConfigError(f"--set {brief(item)}: expected key=value, e.g. --set train.steps=10")
     key, raw = item.split("=", 1)
+    key = key.strip()
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip(), value
+    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit; nesting past the parser's
+        raise ConfigError(f"--set {brief(key)}: the value cannot be read ({type(e).__name__}: "
+                          f"{str(e)[:120]})") from None
+    check_size(value, f"--set {brief(key)}")
+    return key, value
 
 
 def _nest(key: str, value: Any) -> dict:
@@ -275,7 +291,7 @@ def get(cfg: Config, key: str) -> Any:
 
 def _bad_value(key: str, value: Any, expected: str) -> ConfigError:
     meaning = help_text(FIELDS[key])
-    return ConfigError(f"{key}: must be {expected}, got {value!r}" + (f". Meaning: {meaning}" if meaning else ""))
+    return ConfigError(f"{key}: must be {expected}, got {brief(value)}" + (f". Meaning: {meaning}" if meaning else ""))
 
 
 def validate(cfg: Config) -> None:
@@ -296,7 +312,7 @@ def validate(cfg: Config) -> None:
             value = bool_names(f)[0] if value else bool_names(f)[1]
             setattr(get(cfg, section) if section else cfg, leaf, value)
         if choices is not None and value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not accepted; choose one of {', '.join(choices)}")
+            raise ConfigError(f"{key}: {brief(value)} is not accepted; choose one of {', '.join(choices)}")
         if rng is not None and not rng.contains(value):
             raise _bad_value(key, value, rng.describe(isinstance(value, int)))
         if must_be_set(f) and not str(value).strip():
@@ -350,18 +366,62 @@ def describe_config(cfg: Config, width: int = 116) -> str:
 
 
 MAX_CONFIG_BYTES = 1 << 20
+# what one config source (a file, or one --set value) may expand to once its YAML aliases are followed: YAML lets
+# a few hundred bytes stand for billions of values (each alias repeats what its anchor holds)
+MAX_CONFIG_VALUES = 10_000  # values: every number, text, list and mapping counted where it appears
+MAX_CONFIG_CHARS = 1 << 20  # characters of text (keys included)
+
+
+def check_size(data: Any, where: str) -> None:
+    """ConfigError naming `where` when `data` (parsed YAML) holds more than MAX_CONFIG_VALUES values or
+    MAX_CONFIG_CHARS characters once expanded, or holds itself (an alias inside its own anchor). Counted without
+    expanding anything: a list or mapping that appears many times is sized once and its size reused."""
+    sizes: dict[int, tuple[int, int]] = {}
+    open_ids: set[int] = set()
+
+    def too_big(n: int, c: int) -> bool:
+        return n > MAX_CONFIG_VALUES or c > MAX_CONFIG_CHARS
+
+    def size(x) -> tuple[int, int]:
+        if isinstance(x, str):
+            return 1, len(x)
+        if not isinstance(x, (list, dict, set, tuple)):
+            return 1, 0
+        if id(x) in sizes:
+            return sizes[id(x)]
+        if id(x) in open_ids:
+            raise ConfigError(f"{where}: a YAML alias refers to a value that contains it, so the value would hold "
+                              f"itself without end; a config holds plain values: write them out")
+        open_ids.add(id(x))
+        n, c = 1, 0
+        for item in (y for kv in x.items() for y in kv) if isinstance(x, dict) else x:
+            dn, dc = size(item)
+            n, c = n + dn, c + dc
+            if too_big(n, c):
+                raise ConfigError(f"{where}: its YAML aliases expand to more than {MAX_CONFIG_VALUES} values or "
+                                  f"{MAX_CONFIG_CHARS >> 20} MiB of text; a config is a few hundred plain values: "
+                                  f"write them out without anchors (&) and aliases (*) that repeat them")
+        open_ids.discard(id(x))
+        sizes[id(x)] = (n, c)
+        return n, c
+
+    try:
+        size(data)
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to be a config") from None
 
 
 def read_yaml(path: Path, what: str = "") -> Any:
-    """The YAML in a config or preset file; ConfigError naming the file when it cannot be read, is larger than
-    MAX_CONFIG_BYTES, is not UTF-8 text (a binary file), is not YAML or is nested past the parser's limit."""
+    """The YAML in a config or preset file; ConfigError naming the file when it cannot be read, is not a regular
+    file (a FIFO, a device, a folder), is larger than MAX_CONFIG_BYTES, is not UTF-8 text (a binary file), is not
+    YAML, is nested past the parser's limit or expands past `check_size`'s bounds."""
+    from ..safeio import read_regular
+
     name = f"{what} {path}".strip()
     try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{name}: larger than {MAX_CONFIG_BYTES >> 20} MiB; a config file is a short YAML text")
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{name}: cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+        raw = read_regular(path, MAX_CONFIG_BYTES, name)
+    except ValueError as e:
+        raise ConfigError(f"{e}; a config file is a short YAML text") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -370,11 +430,15 @@ def read_yaml(path: Path, what: str = "") -> Any:
     if "\x00" in text:
         raise ConfigError(f"{name}: not a text file (it holds NUL bytes); a config file is YAML text")
     try:
-        return yaml.safe_load(text)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{name}: not valid YAML ({e})") from None
+        raise ConfigError(f"{name}: not valid YAML ({str(e)[:300]})") from None
     except RecursionError:
         raise ConfigError(f"{name}: nested too deeply to be a config") from None
+    except ValueError as e:  # an integer past Python's digit limit for int()
+        raise ConfigError(f"{name}: a value cannot be read ({str(e)[:120]})") from None
+    check_size(data, name)
+    return data
 
 
 def load_config_file(path: str | os.PathLike) -> Config:

@@ -14,7 +14,7 @@ from typing import Any
 from ..data.formats import format_suffixes
 from ..data.tasks import BUILTIN_TASKS, check_levels
 from ..engines import engine_choices, get_engine
-from ..errors import ConfigError
+from ..errors import ConfigError, brief
 from ..estimators import estimator_names, get_estimator
 from ..losses import AUTO, LEVELS, LOSSES, aggregation_help, aggregation_names, check_loss_config, loss_help, loss_names
 from ..rl.optimizers import optimizer_help, optimizer_names
@@ -69,7 +69,7 @@ class LoraConfig:
 def _check_lora(cfg: Config) -> None:
     tm = cfg.lora.target_modules
     if not (tm == "all-linear" or (isinstance(tm, list) and tm and all(isinstance(x, str) for x in tm))):
-        raise ConfigError(f"lora.target_modules: expected 'all-linear' or a list of module names, got {tm!r}")
+        raise ConfigError(f"lora.target_modules: expected 'all-linear' or a list of module names, got {brief(tm)}")
 
 
 def _dataset_help() -> str:
@@ -120,7 +120,7 @@ def _check_data(cfg: Config) -> None:
     d = cfg.data
     name = str(d.dataset).strip()
     if name.startswith("hf:") and not _HF_DATASET.fullmatch(name):
-        raise ConfigError(f"data.dataset: {name!r} is not accepted; expected hf:owner/name or hf:owner/name:config "
+        raise ConfigError(f"data.dataset: {brief(name)} is not accepted; expected hf:owner/name or hf:owner/name:config "
                           f"(e.g. hf:openai/gsm8k:main)")
     if name in BUILTIN_TASKS:
         try:
@@ -208,12 +208,12 @@ def _check_reward(cfg: Config) -> None:
                           f"{len(r.functions)} functions; give one weight per function or none")
     for w in r.function_weights:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ConfigError(f"reward.function_weights: {w!r} is not accepted; expected finite numbers, one per "
+            raise ConfigError(f"reward.function_weights: {brief(w)} is not accepted; expected finite numbers, one per "
                               f"function")
     r.function_weights = [float(w) for w in r.function_weights]
     for fn in r.functions:
         if not isinstance(fn, str) or fn.count(":") != 1 or not all(p.strip() for p in fn.split(":")):
-            raise ConfigError(f"reward.functions: {fn!r} is not of the form 'package.module:function'")
+            raise ConfigError(f"reward.functions: {brief(fn)} is not of the form 'package.module:function'")
     weights = [r.correctness_weight, r.format_weight, *(r.function_weights or [1.0] * len(r.functions))]
     if not any(weights):
         raise ConfigError("reward: every reward weight is 0 (reward.correctness_weight, reward.format_weight, "
@@ -385,7 +385,7 @@ def _check_train(cfg: Config) -> None:
                           f"accepted")
     bad = [x for x in t.report_to if x not in ("tensorboard", "wandb")]
     if bad:
-        raise ConfigError(f"train.report_to: {bad} not accepted; choose from tensorboard, wandb")
+        raise ConfigError(f"train.report_to: {brief(bad)} not accepted; choose from tensorboard, wandb")
     t.micro_batch_size = min(t.micro_batch_size, t.batch_size * e.rollouts_per_prompt)
 
 

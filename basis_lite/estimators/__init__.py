@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, brief
 from . import basis_options, probe_options, reference_options
 
 __all__ = ["EstimatorContext", "EstimatorSpec", "register", "unregister", "get_estimator", "estimator_names"]
@@ -135,7 +135,7 @@ class EstimatorSpec:
         if options is None:
             options = {}
         if not isinstance(options, dict):
-            raise ConfigError(f"estimator.options: expected a mapping, got {options!r}")
+            raise ConfigError(f"estimator.options: expected a mapping, got {brief(options)}")
         if self.check_options is None:
             if options:
                 takes = [n for n, spec in _REGISTRY.items() if spec.check_options is not None]

@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, brief
 
 PRIOR_CLIP = 0.05  # clamp priors to [0.05, 0.95] before the logit
 DEFAULT_SHIFT_GRID = tuple(round(-4.0 + 0.1 * k, 10) for k in range(81))  # linspace(-4, 4, 81)
@@ -71,13 +71,13 @@ _SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # YAML 1.1 reads
 
 
 def bad_option(key: str, value: Any, expected: str) -> ConfigError:
-    return ConfigError(f"{PREFIX}.{key}: {value!r} is not accepted; expected {expected}")
+    return ConfigError(f"{PREFIX}.{key}: {brief(value)} is not accepted; expected {expected}")
 
 
 def check_choice(key: str, value: Any) -> None:
     allowed = CHOICES[key]
     if not isinstance(value, str) or value not in allowed:
-        raise ConfigError(f"{PREFIX}.{key}: {value!r} is not accepted; choose one of {', '.join(allowed)}")
+        raise ConfigError(f"{PREFIX}.{key}: {brief(value)} is not accepted; choose one of {', '.join(allowed)}")
 
 
 def number_option(key: str, value: Any, ok, expected: str) -> float | int:
@@ -106,7 +106,7 @@ def _number_or_cv(key: str, value: Any, ok, expected: str) -> Any:
 def validate_options(options: dict) -> dict:
     """Check BASIS options; returns a copy with '1e-3'-style strings read as numbers. Raises ConfigError."""
     if not isinstance(options, dict):
-        raise ConfigError(f"{PREFIX}: expected a mapping such as {{bandwidth: 0.3}}, got {options!r}")
+        raise ConfigError(f"{PREFIX}: expected a mapping such as {{bandwidth: 0.3}}, got {brief(options)}")
     unknown = sorted(str(k) for k in options if k not in _NAMES)
     if unknown:
         close = difflib.get_close_matches(unknown[0], _NAMES, n=1, cutoff=0.7)

@@ -10,7 +10,7 @@ import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, brief
 from . import basis_options
 from .basis_options import PREFIX, bad_option, grid_option, number_option
 
@@ -100,7 +100,7 @@ def _check(key: str, value: Any) -> Any:
 
 def _unknown(options: dict, names, est: str) -> None:
     if not isinstance(options, dict):
-        raise ConfigError(f"{PREFIX}: expected a mapping such as {{ridge: 100}}, got {options!r}")
+        raise ConfigError(f"{PREFIX}: expected a mapping such as {{ridge: 100}}, got {brief(options)}")
     unknown = sorted(str(k) for k in options if k not in names)
     if unknown:
         more = f" (also unknown: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
