@@ -149,8 +149,11 @@ def cmd_train(args) -> int:
 
     signal.signal(signal.SIGTERM, _sigterm)  # stop like Ctrl-C: the reward worker closes, the lock is released
     if args.resume:
-        if args.trl_config:
-            raise ConfigError("--config: --resume takes the run's own config; drop --config (--set still applies)")
+        given = [opt for opt, v in (("--config", args.trl_config), ("--preset", args.preset),
+                                    ("--output", args.output)) if v is not None]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} cannot change a resumed run: it keeps its config and its "
+                              f"folder (the one --resume names); drop {' and '.join(given)}, or start a new run")
         cfg = resume_config(args.resume, args.overrides)
         summary = train(cfg, Path(args.resume), resume=True, progress=not args.no_progress)
     else:

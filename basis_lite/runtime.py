@@ -93,6 +93,7 @@ def decide_run(cfg: Config, ranks_active: bool = False, stored: dict | None = No
     the value the run decided when it started. ConfigError when this machine cannot keep a stored value.
     Applies the thread count."""
     stored = stored or {}
+    source = stored.get("from", "the run's stored decisions")
     keep = []
 
     def kept(key: str, why: str):
@@ -102,29 +103,33 @@ def decide_run(cfg: Config, ranks_active: bool = False, stored: dict | None = No
     device = resolve_device(cfg.device) if not (cfg.device == "auto" and "device" in stored) else None
     if device is None:
         if stored["device"] == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--resume: this run trained on cuda (device: auto chose it when it started) and this "
-                              "machine has no CUDA GPU visible to torch; a resumed run keeps its device: resume it "
-                              "where a GPU is visible, or start a new run")
+            raise ConfigError(f"--resume: {source} records device=cuda (what device: auto chose when the run "
+                              "started) and this machine has no CUDA GPU visible to torch; a resumed run keeps its "
+                              "device: resume it where a GPU is visible, or start a new run")
         device = torch.device(kept("device", "device: auto"))
     if cfg.model.dtype == "auto" and "dtype" in stored:
         dtype = getattr(torch, kept("dtype", "model.dtype: auto"))
+        said = f"--resume: {source} records dtype={stored['dtype']} (what model.dtype: auto chose when the run started)"
+        if dtype == torch.float16 and device.type == "cpu":
+            raise ConfigError(f"{said} on a {device.type}, where model.dtype: auto never chooses float16 (it chooses "
+                              f"bfloat16 or float32); the record is not one a run writes: put the run's own "
+                              f"{DECIDED_FILE} back, or start a new run")
         if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_native_bf16():
-            raise ConfigError("--resume: this run computed in bfloat16 (model.dtype: auto chose it when it started) "
-                              "and this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag), where bf16 would be "
-                              "emulated and many times slower; a resumed run keeps its dtype, so it stops here: "
-                              "resume it on a CPU with native bf16, or start a new run with model.dtype: float32")
+            raise ConfigError(f"{said}, and this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag), where bf16 "
+                              "would be emulated and many times slower; a resumed run keeps its dtype, so it stops "
+                              "here: resume it on a CPU with native bf16, or start a new run with model.dtype: "
+                              "float32")
         if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("--resume: this run computed in bfloat16 (model.dtype: auto chose it when it started) "
-                              "and this GPU has no bf16; a resumed run keeps its dtype: resume it on a GPU with bf16, "
-                              "or start a new run")
+            raise ConfigError(f"{said}, and this GPU has no bf16; a resumed run keeps its dtype: resume it on a GPU "
+                              "with bf16, or start a new run")
     else:
         dtype = resolve_dtype(cfg.model.dtype, device)
     backend = cfg.model.backend
     if backend == "auto" and "backend" in stored:
         backend = kept("backend", "model.backend: auto")
         if backend == "unsloth" and (device.type != "cuda" or importlib.util.find_spec("unsloth") is None):
-            raise ConfigError("--resume: this run trained with the unsloth backend (model.backend: auto chose it "
-                              "when it started), which is not installed here or needs a GPU; a resumed run keeps "
+            raise ConfigError(f"--resume: {source} records backend=unsloth (what model.backend: auto chose when "
+                              "the run started), which is not installed here or needs a GPU; a resumed run keeps "
                               "its backend: resume it where unsloth runs, or start a new run")
     elif backend == "auto":
         backend = auto_backend(device)
@@ -132,9 +137,9 @@ def decide_run(cfg: Config, ranks_active: bool = False, stored: dict | None = No
     if rng == "auto" and "rng" in stored:
         rng = kept("rng", "generation.rng: auto")
         if rng == "global" and ranks_active:
-            raise ConfigError("--resume: this run sampled from torch's global RNG (generation.rng: auto, one "
-                              "process); under torchrun it would need per-prompt streams and would not continue the "
-                              "same run: resume it in one process (without torchrun), or start a new run")
+            raise ConfigError(f"--resume: {source} records rng=global (torch's global RNG: generation.rng: auto, "
+                              "one process); under torchrun it would need per-prompt streams and would not continue "
+                              "the same run: resume it in one process (without torchrun), or start a new run")
     elif rng == "auto":
         rng = "per_prompt" if ranks_active else "global"
     threads = cfg.train.threads
@@ -143,7 +148,7 @@ def decide_run(cfg: Config, ranks_active: bool = False, stored: dict | None = No
     if threads:
         torch.set_num_threads(threads)
     if keep:
-        log.info("resume keeps what the run decided when it started: %s", ", ".join(keep))
+        log.info("resume keeps what the run decided when it started (%s): %s", source, ", ".join(keep))
     return Decided(device=device.type, dtype=str(dtype).replace("torch.", ""), backend=backend, rng=rng,
                    threads=threads or torch.get_num_threads())
 

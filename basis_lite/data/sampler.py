@@ -1,12 +1,14 @@
 """``PromptSampler``: endless, resumable batches of training examples in a seeded order.
 
-Its ``state_dict()`` (epoch, position, seed, batch size, example count, a fingerprint of the example ids and one of
-their content) is the data position that checkpoints store; ``load_state_dict`` reads it back on resume and raises
+Its ``state_dict()`` (epoch, position, seed, batch size, example count, a fingerprint of the example ids, one of
+their questions and answers, and one of the conversations of conversational rows: everything that reaches a prompt)
+is the data position that checkpoints store; ``load_state_dict`` reads it back on resume and raises
 DataError when the examples are not the ones it was taken over.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import random
 from typing import Callable, Iterator, Sequence
@@ -89,10 +91,19 @@ class PromptSampler:
                 h.update(str(part).encode("utf-8", "surrogatepass") + b"\0")
         return h.hexdigest()[:16]
 
+    def _prompt_fingerprint(self) -> str:
+        """The conversations of conversational rows (system and earlier messages reach the prompt too)."""
+        h = hashlib.sha1()
+        for ex in self.examples:
+            text = "" if ex.messages is None else json.dumps(ex.messages, ensure_ascii=False, sort_keys=True)
+            h.update(text.encode("utf-8", "surrogatepass") + b"\0")
+        return h.hexdigest()[:16]
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size,
                 "num_examples": len(self.examples), "fingerprint": self._fingerprint(),
-                "content": self._content_fingerprint(), "skipped": self.skipped}
+                "content": self._content_fingerprint(), "prompts": self._prompt_fingerprint(),
+                "skipped": self.skipped}
 
     def check_state(self, state: dict, dataset: str = "") -> None:
         """DataError unless `state` was taken over these examples (their count, and their ids, questions and
@@ -104,10 +115,10 @@ class PromptSampler:
                             f"gives {len(self.examples)}. A resumed run needs the data it was trained on: put the "
                             f"original data back, or start a new run")
         if state.get("content") not in (None, self._content_fingerprint()) or state.get("fingerprint") not in (
-                None, self._fingerprint()):
+                None, self._fingerprint()) or state.get("prompts") not in (None, self._prompt_fingerprint()):
             raise DataError(f"{what} changed since the checkpoint: the same number of examples ({n}) with other "
-                            f"questions or answers. A resumed run needs the data it was trained on: put the original "
-                            f"data back, or start a new run")
+                            f"questions, answers or messages. A resumed run needs the data it was trained on: put "
+                            f"the original data back, or start a new run")
 
     def load_state_dict(self, state: dict) -> None:
         self.check_state(state)

@@ -99,20 +99,39 @@ def checkpoint_state(run: RunState) -> dict:
 
 
 def stored_decisions(run_dir: Path) -> dict | None:
-    """What the run decided when it started (`runtime.Decided`): RUN_DIR/decided.json, else the newest intact
-    checkpoint's copy; None for a run that stored none (it decides again)."""
-    try:
-        found = read_decided(read_json(run_dir / DECIDED_FILE, DECIDED_FILE))
-    except ValueError:
-        found = None
-    if found is None:
-        last = ckpt.latest_checkpoint(run_dir, quiet=True)
-        if last is not None:
-            try:
-                found = read_decided(read_json(last / ckpt.STATE_JSON).get("decided"))
-            except (ValueError, AttributeError):
-                found = None
-    return found
+    """What the run decided when it started (`runtime.Decided`): the newest intact checkpoint's record (covered by
+    its manifest), else RUN_DIR/decided.json; None for a run that stored none (it decides again). "from" names
+    where it came from. ConfigError naming decided.json when it is not a regular file (a FIFO, a folder) or
+    disagrees with the checkpoint's record (edited after the run started)."""
+    from ..errors import ConfigError
+
+    path = run_dir / DECIDED_FILE
+    own = None
+    if path.exists() or path.is_symlink():
+        try:
+            own = read_decided(read_json(path, str(path)))
+        except ValueError as e:
+            if not path.is_file():  # a FIFO, a device, a folder: refused, never waited on or ignored
+                raise ConfigError(f"--resume: {e}; decided.json holds what the run decided when it started: remove "
+                                  f"it (the checkpoints keep their own copy)") from None
+            log.warning("%s is unreadable (%s); ignored", path, e)
+    recorded, last = None, ckpt.latest_checkpoint(run_dir, quiet=True)
+    if last is not None:
+        try:
+            recorded = read_decided(read_json(last / ckpt.STATE_JSON).get("decided"))
+        except (ValueError, AttributeError):
+            recorded = None
+    if recorded is not None and own is not None:
+        changed = [k for k in recorded if k in own and own[k] != recorded[k]]
+        if changed:
+            k = changed[0]
+            raise ConfigError(f"--resume {run_dir}: {DECIDED_FILE} says {k}={own[k]}, but the checkpoint "
+                              f"{last.name} recorded {k}={recorded[k]} when the run decided it; decided.json was "
+                              f"changed after the run started. Put it back, or remove it (the checkpoint's record "
+                              f"is then used)")
+    if recorded is not None:
+        return {**recorded, "from": f"checkpoint {last.name}"}
+    return {**own, "from": DECIDED_FILE} if own is not None else None
 
 
 def resume_from(run: RunState, train_ex) -> Path | None:
