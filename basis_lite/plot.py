@@ -35,7 +35,7 @@ from pathlib import Path
 from .errors import ConfigError
 from .runs.metrics import FILE as METRICS_FILE
 from .runs.metrics import loo_reference_ev, read_metrics
-from .safeio import check_run_folder
+from .safeio import check_run_folder, read_regular
 
 MIN_SMOOTH_POINTS = 5
 RAW_ALPHA = 0.35
@@ -157,7 +157,7 @@ def _rollouts_per_step(run_dir: Path) -> int | None:
     try:
         import yaml
 
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        cfg = yaml.safe_load(read_regular(run_dir / "config.yaml", 1 << 20).decode("utf-8")) or {}
         n = int(cfg["train"]["batch_size"]) * int((cfg.get("estimator") or {}).get("rollouts_per_prompt", 1) or 1)
         return n if n > 1 else None
     except (OSError, KeyError, TypeError, ValueError, AttributeError, ImportError):

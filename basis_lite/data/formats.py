@@ -6,7 +6,9 @@ the error messages read. Imports no torch (pyarrow only when a parquet or Arrow 
 
 A reader returns every record it could parse as (row number, mapping) and every one it could not as (row number,
 reason); data/loading.py then picks the fields, validates the rows and splits train from eval, whatever the format.
-A folder written by `datasets`' ``save_to_disk`` is read by the ``.arrow`` reader (``is_datasets_folder``).
+A folder written by `datasets`' ``save_to_disk`` is read by the ``.arrow`` reader (``is_datasets_folder``), only
+the data files inside it. Every reader reads only regular files (a FIFO or a device is a DataError naming it), and
+the text formats at most MAX_TEXT_BYTES.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from ..errors import DataError
-from ..safeio import read_json
+from ..safeio import inside, open_regular, read_json, read_regular
 
 __all__ = ["FileRows", "FileFormat", "register_format", "unregister_format", "get_format", "format_suffixes",
            "is_datasets_folder", "arrow_files"]
@@ -77,6 +79,27 @@ def format_suffixes() -> tuple:
 # the built-in readers
 # ---------------------------------------------------------------------------------------------------------------
 
+MAX_TEXT_BYTES = 1 << 30  # a .jsonl/.json/.csv file is read whole: at most this much (parquet and arrow: any size)
+
+
+def _regular(path: Path) -> None:
+    """DataError naming `path` unless it is a regular file (a FIFO would block the reader for ever, a device such as
+    /dev/zero would be read until memory runs out)."""
+    try:
+        open_regular(path, f"data.dataset: {str(path)!r}").close()
+    except ValueError as e:
+        raise DataError(f"{e}; point data.dataset at a {'/'.join(format_suffixes())} file") from None
+
+
+def _read_whole(path: Path) -> bytes:
+    """The bytes of a text data file: a regular file of at most MAX_TEXT_BYTES, else DataError naming it."""
+    try:
+        return read_regular(path, MAX_TEXT_BYTES, f"data.dataset: {str(path)!r}")
+    except ValueError as e:
+        raise DataError(f"{e}; point data.dataset at a {'/'.join(format_suffixes())} file (parquet for larger "
+                        f"data)") from None
+
+
 def _jsonl_records(data: bytes) -> tuple[list[tuple[int, Any]], list[tuple[int, str]], int]:
     rows, bad, total = [], [], 0
     for n, line in enumerate(data.split(b"\n"), start=1):
@@ -123,7 +146,11 @@ def arrow_files(path: Path) -> list[Path]:
         files = [path / str(f["filename"]) for f in state.get("_data_files") or []]
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         files = []
-    files = [f for f in files if f.is_file()] or sorted(path.glob("*.arrow"))
+    outside = [f for f in files if not inside(path, f)]
+    if outside:
+        raise DataError(f"data.dataset: {str(path)!r}: its state.json names a data file outside the folder "
+                        f"({str(outside[0])!r}); the data files of a save_to_disk folder are read only inside it")
+    files = [f for f in files if f.is_file()] or sorted(f for f in path.glob("*.arrow") if inside(path, f))
     if not files:
         raise DataError(f"data.dataset: {str(path)!r} has a state.json but no .arrow data files; save it again "
                         f"with Dataset.save_to_disk")
@@ -139,6 +166,7 @@ def arrow_table(path: Path):
         raise DataError(f"{path}: reading .arrow data needs pyarrow (pip install pyarrow)") from None
     tables = []
     for f in arrow_files(path):
+        _regular(f)
         try:
             with pa.memory_map(str(f)) as src:
                 try:
@@ -155,13 +183,13 @@ def arrow_table(path: Path):
 
 
 def read_jsonl_file(path: Path, question_field: str) -> FileRows:
-    rows, bad, total = _jsonl_records(path.read_bytes())
+    rows, bad, total = _jsonl_records(_read_whole(path))
     return FileRows(rows, bad, total, None, "line")
 
 
 def read_json_file(path: Path, question_field: str) -> FileRows:
     """A list of objects, an object holding one such list, one object with the question field, or JSON lines."""
-    data = path.read_bytes()
+    data = _read_whole(path)
     try:
         obj = json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
@@ -182,7 +210,7 @@ def read_json_file(path: Path, question_field: str) -> FileRows:
 
 
 def read_csv_file(path: Path, question_field: str) -> FileRows:
-    text = path.read_bytes().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
+    text = _read_whole(path).decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
     reader = csv.DictReader(io.StringIO(text, newline=""))
     rows, bad, total = [], [], 0
     try:
@@ -211,6 +239,7 @@ def read_parquet_file(path: Path, question_field: str) -> FileRows:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+    _regular(path)
     try:
         table = pq.read_table(path)
     except Exception as e:

@@ -16,7 +16,7 @@ import torch
 
 from ..config import cache_root
 from ..errors import ModelError
-from ..safeio import atomic_write_text
+from ..safeio import atomic_write_text, read_json
 from .loading import contiguous_head_input, release_memory
 
 log = logging.getLogger("basis_lite")
@@ -212,8 +212,9 @@ def cpu_bf16_check() -> Bf16Check:
     path = cache_root() / DTYPE_CHECK_FILE
     key = _probe_cache_key(flags)
     stored: dict = {}
-    with contextlib.suppress(OSError, ValueError):
-        stored = json.loads(path.read_text())
+    with contextlib.suppress(ValueError):
+        stored = read_json(path)
+    stored = stored if isinstance(stored, dict) else {}
     if isinstance(stored.get(key), dict) and {"bfloat16", "float32"} <= set(stored[key]):
         rec = stored[key]
         return Bf16Check(flags, float(rec["bfloat16"]["total"]), float(rec["float32"]["total"]),

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from ..engines.base import SamplingParams
 from ..errors import ConfigError
-from ..safeio import atomic_write_text
+from ..safeio import atomic_write_text, read_json
 
 log = logging.getLogger("basis_lite")
 
@@ -142,9 +142,9 @@ def _cached_table(path: Path, key: str, ids: list[str], k: int) -> dict | None:
 def _read_table(path: Path, key: str, ids: list[str], k: int) -> tuple[dict | None, str]:
     """(the cached table, "") when `path` holds a complete prior for these ids, else (None, why not)."""
     try:
-        table = json.loads(path.read_text())
-    except (ValueError, OSError, RecursionError) as e:
-        return None, f"{type(e).__name__}"
+        table = read_json(path)
+    except ValueError as e:
+        return None, str(e)
     if not isinstance(table, dict) or table.get("key") != key or table.get("k") != k:
         return None, "not the prior of this key"
     counts, rewards = table.get("counts"), table.get("rewards")

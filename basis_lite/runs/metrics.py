@@ -13,10 +13,25 @@ import os
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..safeio import atomic_write_text, disk_full_error, is_disk_full
+from ..safeio import atomic_write_text, disk_full_error, is_disk_full, open_regular
 
 FILE = "metrics.jsonl"
 EVAL_EVENTS = ("eval", "eval_final")
+MAX_BYTES = 1 << 30  # what a reader takes of metrics.jsonl (a million steps of a few hundred bytes each)
+
+
+def _lines(path: Path) -> list[str]:
+    """The lines of metrics.jsonl (UTF-8, bad bytes replaced); ConfigError naming it when it is not a regular file
+    (a FIFO would block, a device never end) or is larger than MAX_BYTES."""
+    try:
+        with open_regular(path, str(path)) as f:
+            data = f.read(MAX_BYTES + 1)
+    except ValueError as e:
+        raise ConfigError(f"{e}; it is the run's metrics file, one JSON line per step: remove it or put the run's "
+                          f"own file back") from None
+    if len(data) > MAX_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_BYTES >> 30} GiB; not the metrics of a basis-lite run")
+    return data.decode("utf-8", errors="replace").splitlines()
 
 
 def append_line(path: Path, rec: dict) -> None:
@@ -43,23 +58,22 @@ def read_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict], int]:
     steps: dict[int, dict] = {}
     evals: list[dict] = []
     skipped = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):  # a cut line, or one nested past the parser's limit
-                skipped += 1
-                continue
-            if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)):
-                skipped += 1
-                continue
-            if rec.get("event") in EVAL_EVENTS:
-                if "eval_accuracy" in rec:
-                    evals.append(rec)
-            elif "event" not in rec:
-                steps[int(rec["step"])] = rec
+    for line in _lines(Path(path)):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):  # a cut line, or one nested past the parser's limit
+            skipped += 1
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)):
+            skipped += 1
+            continue
+        if rec.get("event") in EVAL_EVENTS:
+            if "eval_accuracy" in rec:
+                evals.append(rec)
+        elif "event" not in rec:
+            steps[int(rec["step"])] = rec
     evals.sort(key=lambda r: (r["step"], r.get("event") == "eval_final"))
     return [steps[s] for s in sorted(steps)], evals, skipped
 
@@ -67,10 +81,10 @@ def read_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict], int]:
 def truncate_after(path: Path, last_step: int) -> None:
     """Drop the lines written after the checkpoint of `last_step` (their steps are redone on resume): later steps
     and the final eval, which always follows the last checkpoint. Atomic (temp + fsync + rename)."""
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return
     keep = []
-    for line in path.read_text().splitlines():
+    for line in _lines(path):
         try:
             rec = json.loads(line)
         except (json.JSONDecodeError, RecursionError):
