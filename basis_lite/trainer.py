@@ -17,6 +17,7 @@ buffer of earlier steps). Errors a user can fix surface as the exceptions of `ba
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -36,7 +37,7 @@ from .engines.seeded import stream_seed
 from .errors import Interrupted, TrainingAborted
 from .estimators import EstimatorContext, get_estimator
 from .faults import maybe_kill
-from .model.loading import cache_root, count_parameters, peak_memory_mb
+from .model.loading import cache_root, count_parameters, outputs_finite, peak_memory_mb
 from .rewards.scorer import RewardScorer, column_names, example_columns
 from .rewards.worker import TrainerState
 from .rl import distributed
@@ -89,7 +90,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, 
         bar.close()
         return finish(run, t_start)
     except KeyboardInterrupt as e:
-        raise Interrupted(getattr(e, "signal_name", "SIGINT"), interrupt_message(run_dir, run, e)) from None
+        raise Interrupted(getattr(e, "signal_name", "SIGINT"), interrupt_message(run_dir, run, e, created)) from None
     finally:
         if run is not None:
             run.metrics.close()
@@ -264,6 +265,9 @@ def baselines(run: RunState, step: Step):
     side information it uses (the step's features and trajectories, the prior, the history, the replay buffer).
     The per-prompt history and the replay buffer get this batch only after the baselines are computed."""
     est, G = run.cfg.estimator, run.cfg.estimator.rollouts_per_prompt
+    if step.nonfinite:  # a diverged adapter's rollouts: the step is skipped (`update`), nothing learns from them
+        zeros = torch.zeros_like(step.rewards)
+        return zeros, zeros.clone()
     ids = [ex.id for ex in step.batch]
     prior = prior_values(ids, run.prior_table, run.history if run.uses_history else None) if run.with_prior else None
     ctx = EstimatorContext(prompt_ids=ids, prior=prior, features=step.features, history=run.history,
@@ -332,8 +336,9 @@ def keep_responses(run: RunState, step: Step, logprobs: dict) -> None:
 
 
 def update(run: RunState, step: Step):
-    """One optimizer step on this rank's rollouts and advantages (timed into `step.training_s`); a non-finite loss
-    skips it, `train.max_bad_steps` of them in a row abort the run.
+    """One optimizer step on this rank's rollouts and advantages (timed into `step.training_s`); a non-finite loss,
+    or rollouts whose model outputs were not finite (a diverged adapter), skip it, `train.max_bad_steps` of them in
+    a row abort the run.
 
     stats["update_norm"] is the L2 norm of the change of the trainable weights over the step (0 when no update
     happened: every advantage 0, a skipped step, or an optimizer step that moved nothing)."""
@@ -346,6 +351,10 @@ def update(run: RunState, step: Step):
 
 def _update(run: RunState, step: Step):
     cfg, n = run.cfg, step.n
+    if step.nonfinite:
+        return _bad_step(run, step, {"loss": float("nan"), "kl": float("nan"), "clip_fraction": 0.0,
+                                     "grad_norm": float("nan"), "entropy": float("nan"), "trained_sequences": 0,
+                                     "update_norm": 0.0})
     params = [p for p in run.model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     logprobs = {} if run.tracks_drift else None
@@ -370,14 +379,52 @@ def _update(run: RunState, step: Step):
             warnings.simplefilter("ignore", UserWarning)
             run.scheduler.step()
         return stats, ok
+    return _bad_step(run, step, stats)
+
+
+def _bad_step(run: RunState, step: Step, stats: dict):
+    """A skipped step (the adapter as it was): counted, and `train.max_bad_steps` of them in a row abort the run,
+    naming what to change and the last checkpoint (checkpoints are written only of an adapter whose outputs are
+    finite: `maybe_checkpoint`)."""
+    cfg, n = run.cfg, step.n
     run.bad_steps += 1
-    log.warning("step %d: non-finite loss or gradient (loss=%s, grad_norm=%s); step skipped (%d in a row, "
-                "abort at %d)", n, stats["loss"], stats["grad_norm"], run.bad_steps, cfg.train.max_bad_steps)
+    if step.nonfinite:
+        what = (f"non-finite model outputs (NaN or inf logits or features) in {step.nonfinite} rollouts: an earlier "
+                f"update blew the adapter up")
+    else:
+        what = f"non-finite loss or gradient (loss={stats['loss']}, grad_norm={stats['grad_norm']})"
+    log.warning("step %d: %s; step skipped (%d in a row, abort at %d)", n, what, run.bad_steps,
+                cfg.train.max_bad_steps)
     if run.bad_steps >= cfg.train.max_bad_steps:
-        raise TrainingAborted(f"{run.bad_steps} non-finite losses in a row at step {n}; lower train.lr "
-                              f"(now {cfg.train.lr}) or check the reward function. The last good checkpoint is in "
-                              f"{run.run_dir / 'checkpoints'}")
-    return stats, ok
+        raise TrainingAborted(f"{run.bad_steps} skipped steps in a row at step {n}, the last with {what}. "
+                              f"{_what_to_change(cfg, stats)} {_last_good(run)}")
+    return stats, False
+
+
+def _what_to_change(cfg: Config, stats: dict) -> str:
+    """Which setting to lower for a run that keeps producing non-finite values."""
+    kl = stats.get("kl", float("nan"))
+    if cfg.train.kl_coef > 0 and math.isfinite(kl) and not math.isfinite(cfg.train.kl_coef * kl):
+        return (f"train.kl_coef={cfg.train.kl_coef:g} times the KL ({kl:.3g}) is not finite: lower train.kl_coef "
+                f"(or check the reward function).")
+    decay = cfg.train.lr * cfg.train.weight_decay
+    if decay > 2:
+        return (f"train.lr x train.weight_decay = {decay:g} > 2: each step multiplies the weights by 1 - {decay:g}, "
+                f"so they grow without bound; lower train.weight_decay or train.lr.")
+    return f"Lower train.lr (now {cfg.train.lr:g}) or check the reward function."
+
+
+def _last_good(run: RunState) -> str:
+    last = ckpt.latest_checkpoint(run.run_dir, quiet=True)
+    if last is None:
+        return "No checkpoint was written: start a new run with the changed setting."
+    return (f"The last checkpoint, {last}, computes finite outputs; a resumed run would repeat the same steps, so "
+            f"start a new run with the changed setting.")
+
+
+def adapter_finite(run: RunState) -> bool:
+    """Whether the adapter's forward over two training prompts gives finite logits (`outputs_finite`)."""
+    return outputs_finite(run.model, run.tok, list(itertools.islice(run.prompt_of.values(), 2)))
 
 
 def log_step(run: RunState, bar, step: Step, stats: dict, ok: bool) -> None:
@@ -405,7 +452,11 @@ def maybe_checkpoint(run: RunState, n: int) -> None:
     cfg = run.cfg
     if n % cfg.train.save_every == 0 or n == cfg.train.steps:
         run.ranks.check_in_sync([p for p in run.model.parameters() if p.requires_grad], run.optimizer)
-        if run.ranks.is_main:
+        if run.ranks.is_main and not adapter_finite(run):
+            last = ckpt.latest_checkpoint(run.run_dir, quiet=True)
+            log.warning("step %d: the adapter computes non-finite outputs (NaN or inf logits); no checkpoint is "
+                        "written of it (the last one kept: %s)", n, last.name if last else "none")
+        elif run.ranks.is_main:
             ckpt.save_checkpoint(run.run_dir, n, run.model, checkpoint_state(run), _config_text(run),
                                  cfg.train.keep_last)
         run.ranks.barrier()  # no rank goes on before rank 0's write is done
@@ -425,7 +476,9 @@ def step_line(rec: dict) -> str:
             f"(fwd {rec.get('forward_s', 0.0):.1f}s{logp} bwd {rec.get('backward_s', 0.0):.1f}s "
             f"opt {rec.get('optimizer_s', 0.0):.1f}s)")
     if rec.get("zero_update"):
-        if rec.get("skipped"):
+        if rec.get("nonfinite_rollouts"):
+            why = "non-finite model outputs, step skipped"
+        elif rec.get("skipped"):
             why = "non-finite loss, step skipped"
         elif rec.get("trained_sequences") == 0:
             why = "every advantage is 0"
@@ -478,6 +531,9 @@ def finish(run: RunState, t_start: float) -> dict:
     run.summary["peak_memory_mb"] = run.ranks.max([peak_memory_mb(run.device)])[0]  # the whole job's, so far
     if not run.ranks.is_main:  # rank 0 writes the adapter and the summary
         return run.summary
+    if not adapter_finite(run):
+        raise TrainingAborted(f"the trained adapter computes non-finite outputs (NaN or inf logits): an update blew "
+                              f"it up; it is not saved. {_what_to_change(cfg, {})} {_last_good(run)}")
     tmp = run.run_dir / ".tmp-adapter"
     try:
         shutil.rmtree(tmp, ignore_errors=True)

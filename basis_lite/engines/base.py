@@ -49,6 +49,9 @@ class Rollout:
     trajectory: torch.Tensor | None = field(default=None, repr=False)  # [H + N_STATS] (engines/trajectory.py)
     injected: list[int] = field(default_factory=list)  # EAPO: completion positions whose token the prior sampled
     prior_logprobs: list[float] = field(default_factory=list)  # EAPO: the prior's log-prob there (aligned to injected)
+    # False when the model's logits or prompt features held NaN or inf while this rollout was generated (an adapter
+    # blown up by an update): its tokens were then sampled from zeros in place of those logits, and mean nothing
+    finite: bool = True
 
     def behaviour_logprobs(self) -> list[float] | None:
         """The log-prob of each token under the distribution it was actually sampled from: the policy's, and the
@@ -74,6 +77,12 @@ class Engine(Protocol):
                  with_trajectory: bool = False) -> list[Rollout]:
         """params.n completions per prompt, prompt-major; Rollout.feature set when with_features and available,
         Rollout.trajectory when with_trajectory (callers pass it only when they need it)."""
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[rows] True where a row of logits [rows, V] holds NaN or +inf, or nothing finite: what a diverged model
+    gives (a token masked to -inf by a logits processor is not counted)."""
+    return torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | ~torch.isfinite(logits).any(-1)
 
 
 def params_from_config(gen_cfg, n: int = 1, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:

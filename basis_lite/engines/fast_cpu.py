@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .base import nonfinite_rows
 from .seeded import logit_warpers
 
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -265,7 +266,9 @@ class FastDecoder:
                  top_p: float = 1.0, top_k: int = 0, generators: list[torch.Generator] | None = None,
                  feature_layer: int | None = None, feature_tokens: int = 4):
         """rows: prompt token ids per sequence (already expanded to n per prompt). Returns (completions with the
-        stop token kept, log-probs per completion token, [rows, D] float32 prompt features or None)."""
+        stop token kept, log-probs per completion token, [rows, D] float32 prompt features or None, per row whether
+        its logits and features were finite). A row of non-finite logits (a diverged adapter) is sampled from zeros
+        instead, so that decoding finishes; the caller skips what it produced."""
         self.refresh()
         B = len(rows)
         greedy = temperature <= 0
@@ -299,6 +302,7 @@ class FastDecoder:
         mask |= (j[None, None, :] == q_slot[None, :, None])  # gap queries see themselves: no all-masked row
         h, feat = self._forward(ids, pos, cache, P, mask[:, None], feature_layer)
         feats = feat[:, -feature_tokens:, :].float().mean(dim=1) if feat is not None else None
+        finite = torch.ones(B, dtype=torch.bool) if feats is None else torch.isfinite(feats).all(dim=1)
         logits = self._logits(h[:, -1])
         next_pos = torch.tensor([len(r) for r in rows])
         alive = torch.arange(B)  # original row of each cache row
@@ -307,6 +311,10 @@ class FastDecoder:
         warpers = logit_warpers(1.0, top_p, top_k) if not greedy else []  # z below is already divided by T
         slot = P + S
         for step in range(max_new_tokens):
+            bad = nonfinite_rows(logits)
+            if bool(bad.any()):
+                finite[alive[bad]] = False
+                logits = torch.where(bad[:, None], torch.zeros_like(logits), logits)
             z = logits / temperature if (not greedy and temperature != 1.0) else logits
             lps = z - torch.logsumexp(z, dim=-1, keepdim=True)
             if greedy:
@@ -346,7 +354,7 @@ class FastDecoder:
             logits = self._logits(h[:, -1])
             next_pos = next_pos + 1
             slot += 1
-        return out_tok, out_lp, feats
+        return out_tok, out_lp, feats, finite.tolist()
 
 
 class _Group:

@@ -38,7 +38,7 @@ from transformers import LogitsProcessorList
 
 from ..model.loading import decoder_layers, inference_mode
 from . import engine
-from .base import Rollout, SamplingParams, stop_token_ids
+from .base import Rollout, SamplingParams, nonfinite_rows, stop_token_ids
 from .seeded import row_seeds, seeded_logits_processor
 from .trajectory import TrajectoryCapture
 
@@ -47,13 +47,16 @@ class SampledLogprobs:
     """A generate() logits processor that records log softmax(logits / T) of each sampled token, per row.
 
     Call k sees the token sampled at step k-1 as input_ids[:, -1] and looks it up in the previous step's
-    log-probs; `finish(sequences)` looks up the last step's. Scores pass through unchanged.
+    log-probs; `finish(sequences)` looks up the last step's. Scores pass through unchanged, except a row holding
+    NaN or +inf (a diverged adapter, `nonfinite_rows`): it is marked in `bad` and replaced by zeros, so that
+    sampling finishes (torch's multinomial refuses such a row) and the caller can skip what it produced.
     """
 
     def __init__(self, temperature: float):
         self.temperature = temperature if temperature > 0 else 1.0
         self.prev: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
+        self.bad: torch.Tensor | None = None  # [rows] a row had non-finite logits at some step
 
     def __call__(self, input_ids, scores):
         if self.prev is not None:
@@ -62,6 +65,10 @@ class SampledLogprobs:
         if self.temperature != 1.0:
             z = z / self.temperature
         self.prev = z - torch.logsumexp(z, dim=-1, keepdim=True)
+        bad = nonfinite_rows(scores)
+        self.bad = bad if self.bad is None else self.bad | bad
+        if bool(bad.any()):
+            scores = torch.where(bad[:, None], torch.zeros_like(scores), scores)
         return scores
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:
@@ -197,9 +204,12 @@ class HFEngine:
             if finished:  # keep the stop token: the trainer scores the decision to stop too
                 comp = comp[: stop + 1]
             text = tok.decode(comp, skip_special_tokens=True)
+            feat = None if feats is None else feats[row]
+            finite = not (record.bad is not None and bool(record.bad[row])) and (
+                feat is None or bool(torch.isfinite(feat).all()))
             rollouts.append(Rollout(prompt=prompts[p], prompt_ids=p_ids, completion_ids=comp, text=text,
-                                    finished=finished, feature=None if feats is None else feats[row],
-                                    logprobs=lps[row, :len(comp)].tolist()))
+                                    finished=finished, feature=feat, logprobs=lps[row, :len(comp)].tolist(),
+                                    finite=finite))
         if capture is not None:
             import time
 
@@ -219,7 +229,7 @@ class HFEngine:
         if params.seeds is not None and params.temperature > 0:
             gens = [torch.Generator().manual_seed(s) for s in row_seeds(params.seeds, params.n)]
         with inference_mode(self.model):
-            toks, lps, feats = self._fast.generate(
+            toks, lps, feats, finite = self._fast.generate(
                 rows, params.max_new_tokens, self.stop_ids, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k, generators=gens, feature_layer=self.feature_layer if with_features else None,
                 feature_tokens=self.feature_tokens)
@@ -227,7 +237,7 @@ class HFEngine:
         return [Rollout(prompt=prompts[row // params.n], prompt_ids=rows[row], completion_ids=comp,
                         text=self.tok.decode(comp, skip_special_tokens=True),
                         finished=bool(comp) and comp[-1] in stops, feature=None if feats is None else feats[row],
-                        logprobs=lps[row]) for row, comp in enumerate(toks)]
+                        logprobs=lps[row], finite=finite[row]) for row, comp in enumerate(toks)]
 
     def _generate_injected(self, prompts, input_ids, attn, params: SamplingParams, with_features: bool):
         """EAPO rollouts: the prior adapter samples the tokens at critical decision points (engines/eapo.py)."""

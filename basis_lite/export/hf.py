@@ -199,13 +199,32 @@ def _copy_base(base_path: str, dst: Path, tok) -> list[str]:
     return names
 
 
+def check_adapter_finite(cfg: Config, target: Target, base_path: str, tok) -> None:
+    """ModelError naming the adapter when base + adapter (float32, CPU) give non-finite logits on the check texts:
+    an adapter blown up by a diverged update is never exported."""
+    from transformers import AutoModelForCausalLM
+
+    from ..model.loading import outputs_finite
+    from ..runs.checkpoint import load_peft_adapter
+
+    model = load_peft_adapter(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), target.adapter)
+    finite = outputs_finite(model, tok, check_texts(cfg, tok, 2))
+    del model
+    if not finite:
+        raise ModelError(f"adapter {target.adapter}: base + adapter give non-finite logits (NaN or inf): a diverged "
+                         f"update blew it up; nothing was exported. Export a checkpoint from before it "
+                         f"(RUN/checkpoints/step-N) or train again with a lower train.lr")
+
+
 def export_adapter(cfg: Config, target: Target, out: Path) -> dict:
     """Copy the adapter (byte-identical, verified) with the base tokenizer and a README into `out`; for a built-in
-    base also the base model itself into `out`/base, named by adapter_config.json (see `carries_base`)."""
+    base also the base model itself into `out`/base, named by adapter_config.json (see `carries_base`). An adapter
+    whose outputs are not finite is refused (`check_adapter_finite`)."""
     src = target.adapter
     files = [p for p in sorted(src.iterdir()) if p.is_file() and p.name not in ADAPTER_FILES_SKIPPED]
     base_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
     tok = _load_base_tokenizer(base_path, cfg)
+    check_adapter_finite(cfg, target, base_path, tok)
     with_base = carries_base(cfg)
     base_bytes = sum(p.stat().st_size for p in Path(base_path).iterdir() if p.is_file()) if with_base else 0
     need_space(out, sum(p.stat().st_size for p in files) + base_bytes + (32 << 20))

@@ -470,6 +470,18 @@ def inference_mode(model):
             model.train()
 
 
+def outputs_finite(model, tok, texts: list[str]) -> bool:
+    """True when one no-grad forward over `texts` gives finite logits at every position: an adapter blown up by an
+    update (finite but huge weights) gives NaN or inf, and is never checkpointed, exported or resumed from."""
+    device = next(model.parameters()).device
+    tok.padding_side = "left"
+    enc = tok(list(texts), return_tensors="pt", padding=True, add_special_tokens=False)
+    with inference_mode(model):
+        out = model(input_ids=enc.input_ids.to(device), attention_mask=enc.attention_mask.to(device), use_cache=False)
+    mask = enc.attention_mask.bool().to(device)
+    return bool(torch.isfinite(out.logits[mask]).all())
+
+
 def count_parameters(model) -> tuple[int, int]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())

@@ -6,6 +6,7 @@ builds a RunState in `trainer.setup` and its step functions read and update it."
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from ..engines.base import Engine
 from ..estimators import EstimatorSpec
 from ..estimators.basis_mix import ValueTracker, selection_probability
 from ..estimators.probe import ReplayBuffer
+from ..model.loading import outputs_finite
 from ..rewards.scorer import RewardScorer
 from ..runs import checkpoint as ckpt
 from ..runs.metrics import MetricsLog
@@ -135,8 +137,9 @@ def stored_decisions(run_dir: Path) -> dict | None:
 
 
 def resume_from(run: RunState, train_ex) -> Path | None:
-    """Restore the newest checkpoint whose content is usable (`check_checkpoint`); each newer intact one that is
-    not is logged with the reason and skipped, as a damaged one is. None when none is usable (the run starts again
+    """Restore the newest checkpoint whose content is usable (`check_checkpoint`, and an adapter whose forward over
+    two training prompts is finite); each newer intact one that is not is logged with the reason and skipped, as a
+    damaged one is. None when none is usable (the run starts again
     from step 0: the adapter as initialised, a fresh optimizer)."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -147,6 +150,8 @@ def resume_from(run: RunState, train_ex) -> Path | None:
         try:
             tensors, state = check_checkpoint(run, last, expected, train_ex)
             set_peft_model_state_dict(run.model, tensors, adapter_name=name)
+            if not outputs_finite(run.model, run.tok, list(itertools.islice(run.prompt_of.values(), 2))):
+                raise ckpt.Unusable("its adapter computes non-finite outputs (NaN or inf logits: a diverged update)")
             restore(run, state)
         except ckpt.Unusable as e:
             log.warning("skipping checkpoint %s: %s", last, e)

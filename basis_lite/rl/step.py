@@ -9,8 +9,8 @@ baselines, the update, the metrics line and the checkpoint.
 
 What travels in the gather: one float64 vector per rank holding its rewards, correctness and format flags,
 completion lengths, prompt features and trajectory features, after a head of [feature size, generation seconds,
-reward-warning count, trajectory feature size, prompt tokens]. The rollouts themselves (token ids, behaviour
-log-probs) stay on their rank: each rank trains on its own rows (`adv_mine`).
+reward-warning count, trajectory feature size, prompt tokens, rollouts with non-finite model outputs]. The rollouts
+themselves (token ids, behaviour log-probs) stay on their rank: each rank trains on its own rows (`adv_mine`).
 
 The step's cost in tokens (`costs`), independent of the machine and summed over the ranks: prompt tokens processed
 by generation (each rollout's prompt), tokens generated, tokens trained (forward and backward, every pass) and
@@ -34,7 +34,7 @@ from .update import OPTIONAL_STEP_METRICS
 if TYPE_CHECKING:
     from .state import RunState
 
-_HEAD = 5  # feature size, generation seconds, reward warnings, trajectory feature size, prompt tokens
+_HEAD = 6  # feature size, generation seconds, reward warnings, trajectory feature size, prompt tokens, non-finite
 COSTS = ("prompt_tokens", "generated_tokens", "trained_tokens", "forward_only_tokens")  # per step, and cum_* in total
 
 
@@ -76,6 +76,7 @@ class Step:
     prompt_tokens: int = 0  # prompt tokens of the rollouts (summed over the ranks once gathered)
     logprob_s: float = 0.0  # forward-only log-prob passes outside the update (an estimator's drift measurement)
     forward_only_tokens: int = 0  # their tokens, summed over the ranks
+    nonfinite: int = 0  # rollouts whose logits or features were NaN or inf (a diverged adapter), over the ranks
 
     @classmethod
     def of_rank(cls, n: int, batch: list, mine: list, rollouts: list, rewards: torch.Tensor, scored, *,
@@ -89,10 +90,12 @@ class Step:
             features = torch.stack([rollouts[i * G].feature for i in range(b)])
         if uses_trajectory and rollouts and rollouts[0].trajectory is not None:
             trajectory = torch.stack([r.trajectory.float().cpu() for r in rollouts]).view(b, G, -1)
+        nonfinite = sum(not r.finite or any(t is not None and not bool(torch.isfinite(t).all())
+                                            for t in (r.feature, r.trajectory)) for r in rollouts)
         return cls(n, batch, mine, rollouts, rewards, features, trajectory, [float(x) for x in scored.correct],
                    [float(x) for x in scored.format], [len(r.completion_ids) for r in rollouts], int(reward_warnings),
                    float(generation_s), started=started, reward_metrics=dict(getattr(scored, "metrics", {})),
-                   prompt_tokens=sum(len(r.prompt_ids) for r in rollouts))
+                   prompt_tokens=sum(len(r.prompt_ids) for r in rollouts), nonfinite=nonfinite)
 
     def gathered(self, ranks: Ranks) -> Step:
         """The step over the global batch: every rank's rewards, flags, lengths and features, in rank order (so
@@ -101,7 +104,7 @@ class Step:
         d = 0 if self.features is None else self.features.shape[1]
         dt = 0 if self.trajectory is None else self.trajectory.shape[2]
         head = torch.tensor([float(d), self.generation_s, float(self.reward_warnings), float(dt),
-                             float(self.prompt_tokens)], dtype=torch.float64)
+                             float(self.prompt_tokens), float(self.nonfinite)], dtype=torch.float64)
         parts = [head, self.rewards.reshape(-1).double().cpu(), torch.tensor(self.correct, dtype=torch.float64),
                  torch.tensor(self.format, dtype=torch.float64),
                  torch.tensor(self.completion_lens, dtype=torch.float64)]
@@ -133,7 +136,8 @@ class Step:
             format=rows[:, cols[2]:cols[3]].reshape(-1).tolist(),
             completion_lens=[int(x) for x in rows[:, cols[3]:cols[4]].reshape(-1).tolist()],
             reward_warnings=int(heads[:, 2].sum()), generation_s=float(heads[:, 1].max()), wait_s=t1 - t0,
-            gather_s=t2 - t1, gather_bytes=rows.numel() * rows.element_size(), prompt_tokens=int(heads[:, 4].sum()))
+            gather_s=t2 - t1, gather_bytes=rows.numel() * rows.element_size(), prompt_tokens=int(heads[:, 4].sum()),
+            nonfinite=int(heads[:, 5].sum()))
 
     def adv_mine(self, ranks: Ranks) -> torch.Tensor:
         """This rank's rows of the advantages, flattened (the order of `rollouts`)."""
@@ -169,7 +173,7 @@ class Step:
             **{f"cum_{k}": run.totals[k] for k in (*COSTS, "reference_tokens")},
             "tokens_per_s": comp_tokens / max(1e-9, self.generation_s + self.training_s),
             "peak_memory_mb": ranks.max([peak_memory_mb(run.device)])[0],
-            "reward_warnings": self.reward_warnings, "skipped": not ok,
+            "reward_warnings": self.reward_warnings, "skipped": not ok, "nonfinite_rollouts": self.nonfinite,
             "trained_sequences": stats.get("trained_sequences"), "update_norm": stats["update_norm"],
             "zero_update": stats["update_norm"] == 0.0,
             **{k: stats[k] for k in OPTIONAL_STEP_METRICS if k in stats},

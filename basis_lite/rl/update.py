@@ -28,6 +28,7 @@ pass) and `forward_only_tokens` (tokens through the forward-only passes).
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -400,8 +401,8 @@ def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Te
 
     Every micro-batch divides by counts of the WHOLE step (`step_normalizer`), so the accumulated gradient equals
     the full-batch gradient (batch 8 x accumulation 1 == 1 x 8). Loss, KL, grad_norm and clip_fraction are means
-    over the passes; entropy is the first pass's. A non-finite pass stops the update (ok False); the passes before
-    it have stepped. `ranks` (data-parallel, basis_lite.rl.distributed; default: one process alone): `rollouts` are
+    over the passes; entropy is the first pass's. A non-finite pass stops the update (ok False), and what the passes before it
+    changed (weights and optimizer state) is put back: the step is skipped as a whole. `ranks` (data-parallel, basis_lite.rl.distributed; default: one process alone): `rollouts` are
     this rank's share, the counts are the global batch's, and each pass's gradients and statistics are summed over
     the ranks before clipping, so every rank takes the same steps. `logprobs_out` (a dict, optional) receives, per
     index of a rollout that trained, the float32 log-probs of its completion tokens from the first pass's forward
@@ -416,6 +417,9 @@ def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Te
     s = _Step(cfg, model, rollouts, advantages, pad_id, device, scaler, norm=step_normalizer(cfg, rollouts, ranks),
               mbs=micro_batches(cfg, rollouts, advantages), eapo_w=eapo_w, logprobs_out=logprobs_out)
     params = [p for p in model.parameters() if p.requires_grad]
+    # with several passes, what the passes before a non-finite one changed is put back: a skipped step moves nothing
+    saved = ([p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict())) \
+        if cfg.train.ppo_epochs > 1 else None
     model.train()
     grad_norms: list = []
     for epoch in range(cfg.train.ppo_epochs):
@@ -432,6 +436,12 @@ def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Te
             stats[key] += ep[key]
         if not ok or not trained:
             break
+    if not ok and saved is not None and len(grad_norms) > 1:
+        with torch.no_grad():
+            for p, before in zip(params, saved[0]):
+                p.copy_(before)
+        optimizer.load_state_dict(saved[1])
+    del saved
     passes = len(grad_norms)
     for key in ("loss", "kl", "clip_fraction"):
         stats[key] /= passes

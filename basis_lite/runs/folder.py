@@ -53,10 +53,15 @@ def _lock(folder: Path) -> RunLock:
                           f"a folder you can write with --output") from None
 
 
-def interrupt_message(run_dir: Path | None, run: RunState | None, e: BaseException) -> str:
+def interrupt_message(run_dir: Path | None, run: RunState | None, e: BaseException, removed: bool = False) -> str:
+    """What an interrupted run says: the folder, what was kept, how to continue. `removed`: the run had not started,
+    and its new folder is removed (nothing to resume)."""
     sig = getattr(e, "signal_name", "SIGINT")
     if run_dir is None:
         return f"stopped by {sig} before the run folder was chosen; nothing was written"
+    if removed:
+        return (f"stopped by {sig} while setting up, before anything was trained; the new run folder {run_dir} is "
+                f"removed. Start the run again to train")
     where = f"during step {run.step + 1} of {run.cfg.train.steps}" if run is not None else "while setting up"
     last = ckpt.latest_checkpoint(run_dir, quiet=True)
     kept = (f"the checkpoint {last.name} is kept and the steps after it are redone" if last is not None else
