@@ -18,7 +18,8 @@ convention::
     def accuracy(completions, answer, level, **kwargs) -> list[float]:          # data columns, as TRL passes them
     def brevity(prompts, completions) -> list[float]:                           # only what it asks for
 
-One finite float per completion; None counts as 0 (TRL's "does not apply"). The keyword arguments, one value per
+One float per completion, finite in float32 (the trainer's reward dtype) also once weighted; None counts as 0
+(TRL's "does not apply"). A list, tuple, numpy array, pandas Series or torch tensor of them is accepted. The keyword arguments, one value per
 completion: ``prompts`` (the dataset's prompt, as TRL passes it: the question text, or for a conversational row
 its list of messages; not the chat-templated string), ``completions`` (text; for a conversational row TRL's
 ``[{"role": "assistant", "content": text}]``), ``completion_ids`` (token ids), ``answers`` (the gold answers), and
@@ -37,8 +38,8 @@ default). The total reward of a rollout is::
 
     total = correctness_weight * correct + format_weight * format + sum_k weight_k * f_k
 
-A user function that fails on its FIRST call (raises, returns the wrong number of values or non-numeric ones,
-runs longer than ``reward.timeout_s``, or kills its process) stops the run with a RewardError carrying the
+A user function that fails on its FIRST call (raises, returns the wrong number of values, non-numeric ones or
+values that are not finite in float32, runs longer than ``reward.timeout_s``, or kills its process) stops the run with a RewardError carrying the
 message: it has never worked, and training on its zeros would be silent garbage. Once it has returned valid
 values, a failing batch scores 0 for the affected rollouts (all of the batch, or just the non-finite entries),
 logs a throttled warning naming the function and increments ``RewardScorer.warning_count``: the run goes on.
@@ -76,8 +77,14 @@ from .worker import STANDARD_KWARGS, TrainerState, Worker, call_async_fns, call_
 
 log = logging.getLogger(__name__)
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the trainer's rewards are a float32 tensor
 _LOG_FIRST = 5  # warnings logged per user function before throttling kicks in
 _LOG_EVERY = 50  # after that, one warning line per this many
+
+
+def fits_float32(v: float) -> bool:
+    """True when `v` is finite and stays finite as a float32."""
+    return math.isfinite(v) and abs(v) <= FLOAT32_MAX
 
 
 def column_names(examples, data_cfg) -> list[str]:
@@ -206,26 +213,33 @@ class RewardScorer:
         self._warn(key, message)
         return [0.0] * n, 1
 
-    def _score_user_fn(self, key, spec, result: tuple, n: int) -> tuple[list[float], int]:
+    def _score_user_fn(self, key, spec, result: tuple, n: int, weight: float) -> tuple[list[float], int]:
+        """(the function's values, 0 where None or failed; 1 when the call failed or some values did not fit). A
+        value fits when it and its weighted value are finite in float32, the dtype the trainer's rewards have (a
+        Python float of 1e300 is finite, and inf once there). Before the function ever worked, a value that does
+        not fit fails the call (RewardError); after, those rollouts score 0 with a warning."""
         status, payload = result[0], result[1]
         if status != "ok":
             return self._failed(key, spec, str(payload), n)
         if len(payload) != n:
             return self._failed(key, spec, f"returned {len(payload)} values for {n} completions", n)
-        self._proven.add(spec)
         vals, bad = [], []
         for i, v in enumerate(payload):
             if v is None:
                 vals.append(0.0)
-            elif not math.isfinite(v):
+            elif not (fits_float32(v) and fits_float32(weight * v)):
                 vals.append(0.0)
                 bad.append(i)
             else:
                 vals.append(v)
         if bad:
-            self._warn(key, f"returned non-finite values at {len(bad)} of {n} positions (first: index {bad[0]}, "
-                            f"value {payload[bad[0]]})")
+            why = (f"returned non-finite values (in float32, the trainer's reward dtype, weight {weight:g} applied) "
+                   f"at {len(bad)} of {n} positions (first: index {bad[0]}, value {payload[bad[0]]!r})")
+            if spec not in self._proven:
+                return self._failed(key, spec, why, n)
+            self._warn(key, why)
             return vals, 1
+        self._proven.add(spec)
         return vals, 0
 
     # -- public ----------------------------------------------------------------------------------------------
@@ -267,10 +281,18 @@ class RewardScorer:
             if group:
                 results.update(zip(group, self._run_user_fns(group, kwargs)))
             for key, spec, w in zip(self.keys, self.specs, self.weights):
-                vals, nw = self._score_user_fn(key, spec, results[spec], n)
+                vals, nw = self._score_user_fn(key, spec, results[spec], n, w)
                 warnings += nw
                 per_function[key] = vals
                 total = [t + w * v for t, v in zip(total, vals)]
+            over = [i for i, t in enumerate(total) if not fits_float32(t)]
+            if over:  # each weighted value fits, their sum does not
+                warnings += 1
+                self.warning_count += 1
+                log.warning("the weighted sum of the rewards is not finite in float32 at %d of %d rollouts (first: "
+                            "%r); those rollouts score 0", len(over), n, total[over[0]])
+                over = set(over)
+                total = [0.0 if i in over else t for i, t in enumerate(total)]
             for *_, metrics in results.values():
                 for name, values in metrics.items():
                     logged.setdefault(name, []).extend(values)

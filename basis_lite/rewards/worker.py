@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import functools
 import importlib
 import importlib.util
@@ -186,8 +187,21 @@ def _logging_kwargs(metrics: dict) -> dict:
     return {"log_metric": log_metric, "log_extra": log_extra}
 
 
+def _arguments(plan: CallPlan, kwargs: dict, metrics: dict) -> dict:
+    """The keyword arguments of one call: its own deep copy of those the function takes, so that changing them (a
+    conversation's message list, a column's values) changes nothing of the dataset or of what the next function
+    gets, and the logging functions it asks for."""
+    return {**copy.deepcopy(plan.select(kwargs)), **plan.select(_logging_kwargs(metrics))}
+
+
 def _coerce(out: Any) -> tuple[str, Any]:
-    """A user function's output as ("ok", [float | None, ...]) or ("error", message)."""
+    """A user function's output as ("ok", [float | None, ...]) or ("error", message). An array-like result (numpy
+    array, pandas Series, torch tensor: anything with `tolist`) is read as its list."""
+    if hasattr(out, "tolist") and not isinstance(out, (dict, str, bytes)):
+        try:
+            out = out.tolist()
+        except Exception as e:  # noqa: BLE001 - user objects raise anything
+            return "error", f"returned a {type(out).__name__} whose tolist() raised {type(e).__name__}: {e}"
     if isinstance(out, (dict, str, bytes, set, frozenset)) or hasattr(out, "keys"):
         return "error", f"returned a {type(out).__name__}, expected a list of floats (one per completion)"
     try:
@@ -215,7 +229,7 @@ def call_user_fn(fn: Callable, plan: CallPlan, kwargs: dict) -> tuple[str, Any, 
     metrics); `metrics` holds what it passed to log_metric ({name: [values]})."""
     metrics: dict = {}
     try:
-        out = fn(**plan.select({**kwargs, **_logging_kwargs(metrics)}))
+        out = fn(**_arguments(plan, kwargs, metrics))
     except (Exception, SystemExit) as e:
         return "error", f"raised {type(e).__name__}: {e}{_where(e)}", metrics
     return (*_coerce(out), metrics)
@@ -224,7 +238,7 @@ def call_user_fn(fn: Callable, plan: CallPlan, kwargs: dict) -> tuple[str, Any, 
 async def _await_user_fn(fn: Callable, plan: CallPlan, kwargs: dict, timeout_s: float) -> tuple[str, Any, dict]:
     metrics: dict = {}
     try:
-        coro = fn(**plan.select({**kwargs, **_logging_kwargs(metrics)}))
+        coro = fn(**_arguments(plan, kwargs, metrics))
         out = await (asyncio.wait_for(coro, timeout_s) if timeout_s > 0 else coro)
     except asyncio.TimeoutError:
         return "error", f"timed out after {timeout_s:g} s", metrics
