@@ -5,7 +5,6 @@ export, the free-space check and the README's run line. The tolerance rule is ex
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
@@ -15,7 +14,7 @@ import torch
 
 from ..config import Config
 from ..errors import ConfigError, DiskFullError
-from ..safeio import fsync_dir, fsync_tree, open_file_modes
+from ..safeio import fsync_dir, fsync_tree, open_file_modes, read_json
 
 log = logging.getLogger("basis_lite")
 
@@ -40,13 +39,26 @@ def merge_tolerance(max_abs_logit: float) -> float:
 
 
 def check_destination(out: Path) -> None:
-    """Never write over anything: --out must not exist or be an empty folder."""
-    if out.exists() or out.is_symlink():
+    """Never write over anything, and fail before any work: --out must not exist or be an empty folder, must not
+    be a symbolic link, and its parent folder must be creatable and writable (a probe file is created and removed
+    there, as the export's temporary folder will be)."""
+    if out.is_symlink():
+        raise ConfigError(f"--out {out}: a symbolic link (to {os.readlink(out)}); the export folder is renamed into "
+                          f"place, which a link would not follow: give the real path, or a new folder")
+    if out.exists():
         if not out.is_dir():
             raise ConfigError(f"--out {out}: exists and is not a folder; choose a new folder")
         if any(out.iterdir()):
             raise ConfigError(f"--out {out}: folder exists and is not empty; basis-lite never writes over an "
                               f"export; choose a new folder or remove it first")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.parent / f".{out.name}.probe-{os.getpid()}"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write there ({type(e).__name__}: {e.strerror or e}); choose a "
+                          f"folder you can write") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -145,7 +157,7 @@ def run_line(cfg: Config, run_dir: Path) -> str:
             f"{' (4-bit NF4 while training)' if cfg.model.load_in_4bit else ''}. Run folder: `{run_dir}`.")
     summary = Path(run_dir) / "summary.json"
     try:
-        s = json.loads(summary.read_text())
+        s = read_json(summary, "summary.json")
         before, after = (s.get("eval_before") or {}), (s.get("eval_after") or {})
         if "accuracy" in after:
             line += (f"\n\nHeld-out greedy accuracy (n={after.get('n')}): "
