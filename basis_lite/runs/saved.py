@@ -28,6 +28,7 @@ import math
 import os
 import tempfile
 import time
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,8 +275,15 @@ def samples_path_for(out_path: Path) -> Path:
     return out_path.with_name(f"{out_path.stem}_samples.jsonl")
 
 
+def printable(text: str) -> str:
+    """`text` with every control character but newline and tab shown as an escape (ESC as \\x1b, ...): data and
+    model output printed to a terminal cannot set its title, colours or cursor."""
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text)
+
+
 def format_misses(records: list[dict], n: int, width: int = 300) -> str:
-    """Up to `n` problems the greedy answer got wrong: question, gold, the extracted answer and the completion."""
+    """Up to `n` problems the greedy answer got wrong: question, gold, the extracted answer and the completion,
+    control characters escaped (`printable`)."""
     misses = [r for r in records if not r["correct"]]
     lines = [f"{len(misses)} of {len(records)} problems missed" + (f"; the first {n}:" if misses and n else "")]
     for r in misses[:n]:
@@ -287,7 +295,7 @@ def format_misses(records: list[dict], n: int, width: int = 300) -> str:
         lines += [f"- {r['id']}{level}: {question.strip()[:width]}",
                   f"  gold {r['gold']!r}, extracted {r['extracted']!r}",
                   "  completion: " + completion.replace("\n", "\n              ")]
-    return "\n".join(lines)
+    return printable("\n".join(lines))
 
 
 def check_writable(path: Path, what: str) -> None:
