@@ -403,10 +403,10 @@ def _bad_step(run: RunState, step: Step, stats: dict):
 
 def _what_to_change(cfg: Config, stats: dict) -> str:
     """Which setting to lower for a run that keeps producing non-finite values."""
-    kl = stats.get("kl", float("nan"))
-    if cfg.train.kl_coef > 0 and math.isfinite(kl) and not math.isfinite(cfg.train.kl_coef * kl):
-        return (f"train.kl_coef={cfg.train.kl_coef:g} times the KL ({kl:.3g}) is not finite: lower train.kl_coef "
-                f"(or check the reward function).")
+    kl, top = stats.get("kl", float("nan")), torch.finfo(torch.float32).max  # the loss is computed in float32
+    coef = cfg.train.kl_coef
+    if coef > 0 and (coef > top or (math.isfinite(kl) and not abs(coef * kl) <= top)):
+        return (f"train.kl_coef={coef:g} times the KL ({kl:.3g}) is not finite in float32: lower train.kl_coef.")
     decay = cfg.train.lr * cfg.train.weight_decay
     if decay > 2:
         return (f"train.lr x train.weight_decay = {decay:g} > 2: each step multiplies the weights by 1 - {decay:g}, "

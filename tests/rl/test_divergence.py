@@ -129,3 +129,12 @@ def test_an_adapter_whose_outputs_are_not_finite_is_not_exported(finished, tmp_p
     out = tmp_path / "export"
     assert cli_main("export", str(run), "--out", str(out)) == 2
     assert "non-finite" in _error(capsys) and not out.exists()
+
+
+def test_a_kl_term_that_overflows_is_named_not_the_learning_rate(tmp_path, capsys):
+    """train.kl_coef = 1e300: the KL is 0 at the first step (the adapter starts as the base), then finite and
+    small; times the coefficient it is inf, every later step is skipped, and the message names kl_coef."""
+    run = tmp_path / "run"
+    assert _train(run, "train.kl_coef=1e300", "train.steps=4", "train.max_bad_steps=2") == 2
+    err = _error(capsys)
+    assert "train.kl_coef" in err and "Lower train.lr" not in err and "non-finite loss" in err
