@@ -31,7 +31,7 @@ SMOKE_STEP_KEYS = {
     "accuracy", "advantage_std", "baseline_mean", "clip_fraction", "completion_len", "engine_log_ratio_max",
     "engine_log_ratio_mean", "entropy", "explained_variance", "explained_variance_loo_ref", "format_rate",
     "generation_s", "grad_norm", "guard_adapter_shift", "guard_base_distance", "guard_mismatch", "kl", "loss", "lr",
-    "peak_memory_mb", "reward_mean", "reward_warnings", "skipped",
+    "nonfinite_rollouts", "peak_memory_mb", "reward_mean", "reward_warnings", "skipped",
     "step", "tokens_per_s", "trained_sequences", "training_s", "update_norm", "zero_update",
     "forward_s", "logprob_s", "backward_s", "optimizer_s", "prompt_tokens", "generated_tokens", "trained_tokens",
     "forward_only_tokens", "cum_prompt_tokens", "cum_generated_tokens", "cum_trained_tokens",
