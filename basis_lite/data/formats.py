@@ -23,7 +23,7 @@ from ..errors import DataError
 from ..safeio import inside, open_regular, read_json, read_regular
 
 __all__ = ["FileRows", "FileFormat", "register_format", "unregister_format", "get_format", "format_suffixes",
-           "is_datasets_folder", "arrow_files"]
+           "is_datasets_folder", "arrow_files", "check_regular"]
 
 
 class FileRows(NamedTuple):
@@ -82,7 +82,7 @@ def format_suffixes() -> tuple:
 MAX_TEXT_BYTES = 1 << 30  # a .jsonl/.json/.csv file is read whole: at most this much (parquet and arrow: any size)
 
 
-def _regular(path: Path) -> None:
+def check_regular(path: Path) -> None:
     """DataError naming `path` unless it is a regular file (a FIFO would block the reader for ever, a device such as
     /dev/zero would be read until memory runs out)."""
     try:
@@ -166,7 +166,7 @@ def arrow_table(path: Path):
         raise DataError(f"{path}: reading .arrow data needs pyarrow (pip install pyarrow)") from None
     tables = []
     for f in arrow_files(path):
-        _regular(f)
+        check_regular(f)
         try:
             with pa.memory_map(str(f)) as src:
                 try:
@@ -239,7 +239,7 @@ def read_parquet_file(path: Path, question_field: str) -> FileRows:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-    _regular(path)
+    check_regular(path)
     try:
         table = pq.read_table(path)
     except Exception as e:

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from ..errors import DataError
 from .example import Example
-from .formats import FileRows, arrow_files, format_suffixes, get_format, is_datasets_folder
+from .formats import FileRows, arrow_files, check_regular, format_suffixes, get_format, is_datasets_folder
 from .rows import (
     Row,
     check_bad,
@@ -123,6 +123,8 @@ def _local(cfg, split: str, path: Path) -> list[Example]:
     if not path.exists():
         where = "" if path.parent.is_dir() else f" (its folder {str(path.parent)!r} does not exist either)"
         raise DataError(f"data.dataset: file {str(path)!r} not found{where}")
+    if not path.is_dir():
+        check_regular(path)  # a FIFO or a device behind the name is named before anything reads it
     stats = [f.stat() for f in arrow_files(path)] if path.is_dir() else [path.stat()]
     rows, label = _load_file_rows(str(path.resolve()), max(st.st_mtime_ns for st in stats),
                                   sum(st.st_size for st in stats), cfg.question_field,

@@ -8,12 +8,12 @@ Torch-free; read by `basis-lite plan` (plan.py) and the vLLM engine.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, cache_root
+from ..safeio import read_json
 from .downloads import SMOLLM2_CACHE_DIR
 
 
@@ -77,7 +77,10 @@ BUILTIN_ALIASES = {"builtin:smollm2-135m-instruct": "smollm2-135m", "builtin:tin
 
 
 def shape_from_config_json(path: str | os.PathLike, name: str = "") -> ModelShape:
-    c = json.loads(Path(path).read_text())
+    try:
+        c = read_json(path)  # a regular file only: a FIFO or a device there never blocks plan
+    except ValueError as e:
+        raise ConfigError(f"{e}; a model's config.json is a small JSON file") from None
     c = c.get("text_config", c)
     heads = int(c["num_attention_heads"])
     return ModelShape(name or str(path), int(c["hidden_size"]), int(c["num_hidden_layers"]), heads,
