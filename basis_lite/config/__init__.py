@@ -270,13 +270,15 @@ def merge_trl_config(cfg: Config, path: str | os.PathLike) -> None:
     from .trl import translate
 
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"--config {path}: no such file; expected the YAML file of a `trl grpo --config` run")
     sections = {f.name for f in dataclasses.fields(Config)}
+    seen: dict = {}  # the file is one source: a key it sets twice with different values is refused (`_merge`)
     for trl_key, key, value in translate(read_yaml(path, "TRL config") or {}, ALIASES, all_keys(), sections,
                                          source=f"TRL config {path}"):
         try:
-            _merge(cfg, _nest(key, value) if trl_key != key else {key: value})
+            _merge(cfg, _nest(key, value) if trl_key != key else {key: value}, seen=seen,
+                   spelled=trl_key if trl_key != key else "")
         except ConfigError as e:
             raise ConfigError(f"TRL config {path}: {trl_key}" + (f" (read as {key})" if trl_key != key else "")
                               + f": {e}") from None

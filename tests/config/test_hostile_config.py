@@ -130,14 +130,27 @@ def test_a_huge_integer_is_an_error_not_a_traceback(tmp_path, capsys):
 # TRL's names and basis-lite's in one source
 
 
+# what another key must hold for these values to be valid together
+NEEDS = {"reward.function_weights": ["reward.functions=[my_rewards:f]"]}
+
+
 def _two_values(key: str) -> tuple:
     """Two different valid values of `key`."""
+    kind = FIELDS[key].type
     if key in CHOICES:
         return CHOICES[key][0], CHOICES[key][1]
-    if FIELDS[key].type == "int":
+    if kind == "bool":
+        return True, False
+    if kind == "int":
         lo = int(RANGES[key].lo or 0)
         return lo + 1, lo + 2
-    return 0.1, 0.2
+    if kind == "float":
+        return 0.1, 0.2
+    if kind == "str":
+        return "first", "second"
+    if key == "reward.function_weights":
+        return [1.0], [2.0]
+    return ["q_proj"], ["v_proj"]  # lists of names (lora.target_modules)
 
 
 @pytest.mark.parametrize("trl_first", [True, False])
@@ -152,7 +165,7 @@ def test_a_trl_name_and_its_own_name_that_disagree_are_refused_in_either_order(t
     assert trl in err and key in err and "give the key once" in err
     # the same value under both names is one setting, not a conflict
     path.write_text(f"{trl}: {json.dumps(a)}\n" + yaml_at(key, json.dumps(a)))
-    load_config(str(path))
+    load_config(str(path), NEEDS.get(key, []))
 
 
 def test_trl_loss_type_cispo_is_never_dropped_silently(tmp_path, capsys):
@@ -174,5 +187,16 @@ def test_repeated_sets_apply_in_order_whichever_name_they_use(trl):
     def value(cfg):
         return getattr(getattr(cfg, section), leaf)
 
-    assert value(load_config("smoke", [f"{trl}={json.dumps(a)}", f"{key}={json.dumps(b)}"])) == b
-    assert value(load_config("smoke", [f"{key}={json.dumps(a)}", f"{trl}={json.dumps(b)}"])) == b
+    need = NEEDS.get(key, [])
+    assert value(load_config("smoke", [*need, f"{trl}={json.dumps(a)}", f"{key}={json.dumps(b)}"])) == b
+    assert value(load_config("smoke", [*need, f"{key}={json.dumps(a)}", f"{trl}={json.dumps(b)}"])) == b
+
+
+def test_a_trl_config_file_is_one_source(tmp_path):
+    """`--config grpo.yaml` (a `trl grpo` config): its TRL name and a basis-lite section disagreeing are refused."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text("learning_rate: 1.0e-5\ntrain:\n  lr: 2.0e-4\n")
+    with pytest.raises(ConfigError, match="learning_rate.*train.lr.*give the key once"):
+        load_config(None, [], trl_config=path)
+    path.write_text("learning_rate: 1.0e-5\n")
+    assert load_config(None, ["train.lr=3e-4"], trl_config=path).train.lr == 3e-4  # a later --set still wins
