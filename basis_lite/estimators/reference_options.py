@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, brief
 from .basis_options import PREFIX, bad_option, number_option
 
 ASTAR_DEFAULTS: dict[str, Any] = {
@@ -29,7 +29,7 @@ SPO_DEFAULTS: dict[str, Any] = {
 
 def _known(options: Any, defaults: dict, name: str) -> dict:
     if not isinstance(options, dict):
-        raise ConfigError(f"{PREFIX}: expected a mapping such as {{{next(iter(defaults))}: ...}}, got {options!r}")
+        raise ConfigError(f"{PREFIX}: expected a mapping such as {{{next(iter(defaults))}: ...}}, got {brief(options)}")
     unknown = sorted(str(k) for k in options if k not in defaults)
     if unknown:
         close = difflib.get_close_matches(unknown[0], list(defaults), n=1, cutoff=0.7)
