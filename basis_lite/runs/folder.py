@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import checkpoint as ckpt
 from ..config import Config
-from ..rl.distributed import Ranks
 from ..errors import ConfigError
+from ..rl.distributed import Ranks
 from ..safeio import RunLock, check_run_folder, held_by_other, read_json
+from . import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from ..rl.state import RunState

@@ -69,8 +69,8 @@ def resolve_target(path: str | Path) -> Target:
     symlink in it leads out of it, or when the adapter it names is unusable (`checkpoint.adapter_problem`: no
     weights file, tensors that do not load or are not finite). A run whose final adapter/ is unusable falls back to
     its newest checkpoint with a usable adapter, with a warning. Nothing is ever looked for on the hub."""
-    from .checkpoint import adapter_problem
     from ..safeio import check_run_folder
+    from .checkpoint import adapter_problem
 
     p = Path(path).expanduser()
     if not p.exists():
@@ -118,8 +118,8 @@ def _pinned_checkpoint(run_dir: Path) -> tuple[Path | None, int | None]:
     """(the newest intact checkpoint with a usable adapter, the fd of a shared lock on it): a training process
     still writing the run does not prune a checkpoint while this process reads it. The lock goes with the fd or
     the process."""
-    from .checkpoint import MANIFEST, adapter_problem, intact_checkpoints
     from ..safeio import pin_fd
+    from .checkpoint import MANIFEST, adapter_problem, intact_checkpoints
 
     for _ in range(5):
         last = None
@@ -151,8 +151,8 @@ def load_run_config(target: Target, overrides: Sequence[str] = (), dataset: str 
 def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
     """The config a run to be resumed was started with; ConfigError when it is not a run, overrides are given, or
     config.yaml was edited since the newest checkpoint saved its copy (a resumed run keeps its config)."""
-    from .checkpoint import latest_checkpoint
     from ..safeio import check_run_folder
+    from .checkpoint import latest_checkpoint
 
     cfg_path = Path(run_dir) / "config.yaml"
     check_run_folder(run_dir)

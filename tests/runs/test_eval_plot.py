@@ -54,8 +54,8 @@ def test_eval_run_folder_writes_json_and_prints_table(run, capsys):
 def test_eval_writes_per_problem_samples_and_shows_misses(run, tmp_path, capsys):
     """eval_samples.jsonl beside the JSON: one line per problem whose verdicts recompute from its own completion
     and gold and add up to the accuracy; --show-misses prints the misses."""
-    from basis_lite.rewards.answers import extracted_answer
     from basis_lite.data import load_examples
+    from basis_lite.rewards.answers import extracted_answer
     from basis_lite.rewards.scorer import correctness
     from basis_lite.runs.saved import load_run_config, resolve_target
 
@@ -272,8 +272,8 @@ def test_explained_variance_reference_is_what_the_leave_one_out_mean_scores():
     import torch
 
     from basis_lite.estimators.base import explained_variance
-    from basis_lite.runs.metrics import loo_reference_ev
     from basis_lite.plot import EV_NOTE, build_figures
+    from basis_lite.runs.metrics import loo_reference_ev
 
     rng = np.random.default_rng(0)
     for b in (8, 32, 128):

@@ -526,8 +526,8 @@ def test_sdist_is_fetched_and_checked_without_running_its_backend(tmp_path, loca
 
 
 def test_sdist_with_another_hash_is_deleted_unread(tmp_path, local_index):
-    from basis_lite.model.downloads import Pinned, pip_download
     from basis_lite.errors import ModelError
+    from basis_lite.model.downloads import Pinned, pip_download
 
     marker = tmp_path / "backend-ran"
     data = _sdist(tmp_path, marker)
