@@ -161,3 +161,12 @@ def trainer_logprobs(model, tok, rolls, temperature):
     with torch.no_grad(), training_attention(model):
         lp = sequence_logprobs(model, ids, attn, cmask, temperature=temperature).logprobs
     return [lp[i, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.completion_ids)] for i, r in enumerate(rolls)]
+
+
+def error_line(capsys) -> str:
+    """The one `error: ...` line a command printed on stderr (no traceback, exactly one such line)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import FAST, cli_main, sets
+from conftest import FAST, cli_main, error_line, sets
 from safetensors.torch import load_file, save_file
 
 from basis_lite.config import load_config
@@ -73,20 +73,12 @@ def test_a_copied_cache_is_hashed_once_then_trusted(tmp_path):
     assert all(files[p.name]["mtime_ns"] == p.stat().st_mtime_ns for p in folder.iterdir() if p.name in files)
 
 
-def _error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err[-3000:]
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, err[-3000:]
-    return lines[0]
-
-
 def test_a_cache_path_that_is_a_file_is_exit_2_naming_it(tmp_path, capsys):
     cache = tmp_path / "cache"
     cache.write_text("not a folder")
     assert cli_main("train", "--preset", "smoke", *sets(FAST + [f"model.cache_dir={cache}"]), "--output",
                     str(tmp_path / "run"), "--no-progress") == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert str(cache) in err and "model.cache_dir" in err
     assert not (tmp_path / "run").exists()
 
@@ -100,7 +92,7 @@ def test_a_read_only_cache_is_exit_2_naming_it(tmp_path, capsys):
     try:
         assert cli_main("train", "--preset", "smoke", *sets(FAST + [f"model.cache_dir={ro}"]), "--output",
                         str(tmp_path / "run"), "--no-progress") == 2
-        err = _error(capsys)
+        err = error_line(capsys)
         assert str(ro) in err and "Read-only" in err
     finally:
         subprocess.run(["umount", str(ro)], capture_output=True)

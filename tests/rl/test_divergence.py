@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VARIED, cli_main, sets, snapshot, step_records
+from conftest import VARIED, cli_main, error_line, sets, snapshot, step_records
 
 from basis_lite.runs import checkpoint as ckpt
 
@@ -25,14 +25,6 @@ ENGINES = {"hf": "generation.fast_cpu=off", "fast_cpu": "generation.fast_cpu=aut
 
 def _train(run, *extra) -> int:
     return cli_main("train", "--preset", "smoke", *sets(BASE + list(extra)), "--output", str(run), "--no-progress")
-
-
-def _error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err[-3000:]
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, err[-3000:]
-    return lines[0]
 
 
 def _outputs_finite(run: Path, adapter: Path) -> bool:
@@ -51,7 +43,7 @@ def _outputs_finite(run: Path, adapter: Path) -> bool:
 def test_a_diverging_run_stops_naming_its_last_finite_checkpoint(tmp_path, capsys, engine):
     run = tmp_path / "run"
     assert _train(run, *GROWING, ENGINES[engine]) == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert "non-finite model outputs" in err and "train.weight_decay" in err
     named = re.search(r"checkpoints/(step-\d+)", err)
     assert named, err
@@ -66,7 +58,7 @@ def test_a_diverging_run_stops_naming_its_last_finite_checkpoint(tmp_path, capsy
     if engine == "fast_cpu":  # a resume repeats the same steps and stops the same way, without a traceback
         before = snapshot(run / "checkpoints")
         assert cli_main("train", "--resume", str(run), "--no-progress") == 2
-        assert named.group(1) in _error(capsys)
+        assert named.group(1) in error_line(capsys)
         assert snapshot(run / "checkpoints") == before
 
 
@@ -74,7 +66,7 @@ def test_a_diverging_run_stops_naming_its_last_finite_checkpoint(tmp_path, capsy
 def test_an_adapter_blown_up_by_the_last_step_is_not_saved(tmp_path, capsys, estimator):
     run = tmp_path / "run"
     assert _train(run, "train.lr=1e30", "train.steps=1", f"estimator.name={estimator}") == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert "non-finite outputs" in err and "not saved" in err and "No checkpoint was written" in err
     assert not (run / "adapter").exists() and not (run / "checkpoints").exists()
 
@@ -84,7 +76,7 @@ def test_a_step_logged_skipped_did_not_move_the_adapter(tmp_path, capsys):
     whole (weights and optimizer state put back), so the checkpoints hold the initial adapter."""
     run = tmp_path / "run"
     assert _train(run, "train.lr=1e30", "train.ppo_epochs=2", "train.steps=3", "train.max_bad_steps=2") == 2
-    assert "non-finite loss" in _error(capsys)
+    assert "non-finite loss" in error_line(capsys)
     (record,) = step_records(run)
     assert record["skipped"] and record["update_norm"] == 0.0 and record["zero_update"]
     weights = ckpt.load_adapter_tensors(run / "checkpoints" / "step-000001" / "adapter")
@@ -128,7 +120,7 @@ def test_an_adapter_whose_outputs_are_not_finite_is_not_exported(finished, tmp_p
     _blow_up(run / "adapter")
     out = tmp_path / "export"
     assert cli_main("export", str(run), "--out", str(out)) == 2
-    assert "non-finite" in _error(capsys) and not out.exists()
+    assert "non-finite" in error_line(capsys) and not out.exists()
 
 
 def test_a_kl_term_that_overflows_is_named_not_the_learning_rate(tmp_path, capsys):
@@ -136,5 +128,5 @@ def test_a_kl_term_that_overflows_is_named_not_the_learning_rate(tmp_path, capsy
     small; times the coefficient it is inf, every later step is skipped, and the message names kl_coef."""
     run = tmp_path / "run"
     assert _train(run, "train.kl_coef=1e300", "train.steps=4", "train.max_bad_steps=2") == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert "train.kl_coef" in err and "Lower train.lr" not in err and "non-finite loss" in err

@@ -10,19 +10,11 @@ import shutil
 
 import pytest
 import torch
-from conftest import FAST, SMALL, cli_main, sets, snapshot, step_records
+from conftest import FAST, SMALL, cli_main, error_line, sets, snapshot, step_records
 
 OVERRIDES = FAST + ["train.steps=2", "train.save_every=1", "train.keep_last=2"]
 # each stored decision, changed to another value a run could have stored
 TAMPERED = {"dtype": "float16", "threads": 2, "rng": "per_prompt", "device": "cuda", "backend": "unsloth"}
-
-
-def _error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err[-3000:]
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, err[-3000:]
-    return lines[0]
 
 
 def _unfinished(run):
@@ -54,7 +46,7 @@ def test_a_decided_json_changed_after_the_start_is_refused_naming_the_key(stoppe
     (run / "decided.json").write_text(json.dumps(decided))
     before = _without_lock(snapshot(run))
     assert cli_main("train", "--resume", str(run), "--no-progress") == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert f"{key}={TAMPERED[key]}" in err and "step-000002" in err and "decided.json" in err
     assert _without_lock(snapshot(run)) == before
 
@@ -85,7 +77,7 @@ def test_a_record_no_run_writes_is_refused_without_a_checkpoint(tmp_path, monkey
     (run / "decided.json").write_text(json.dumps({**decided, "dtype": "float16"}))
     before = _without_lock(snapshot(run))
     assert cli_main("train", "--resume", str(run), "--no-progress") == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert "decided.json records dtype=float16" in err and "cpu" in err
     assert _without_lock(snapshot(run)) == before
 
@@ -112,7 +104,7 @@ def test_a_conversation_edited_between_kill_and_resume_is_refused(tmp_path, caps
         data.write_text(data.read_text().replace(" + 3?", " plus 3?"))
     before = _without_lock(snapshot(run))
     assert cli_main("train", "--resume", str(run), "--no-progress") == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert str(data) in err and "changed since the checkpoint" in err
     assert _without_lock(snapshot(run)) == before
 
@@ -122,6 +114,6 @@ def test_preset_and_output_cannot_change_a_resumed_run(stopped, tmp_path, capsys
     before = snapshot(stopped)
     value = "smoke" if option == "--preset" else str(tmp_path / "elsewhere")
     assert cli_main("train", "--resume", str(stopped), option, value, "--no-progress") == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert option in err and "resumed run" in err
     assert snapshot(stopped) == before and not (tmp_path / "elsewhere").exists()

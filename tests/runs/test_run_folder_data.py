@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, VARIED, cli_main, sets, snapshot, step_records
+from conftest import FAST, VARIED, cli_main, error_line, sets, snapshot, step_records
 from safetensors.torch import load_file, save_file
 
 from basis_lite.runs import checkpoint as ckpt
@@ -41,14 +41,6 @@ def _train(run, *extra):
 
 def _resume(run):
     return cli_main("train", "--resume", str(run), "--no-progress")
-
-
-def _error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err[-3000:]
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, err[-3000:]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +99,7 @@ def test_resume_never_imports_a_module_from_the_run_folder(tmp_path, monkeypatch
     sys.modules.pop(name, None)
     monkeypatch.chdir(run)  # ... and the working directory in it
     assert cli_main("train", "--resume", ".", "--no-progress") == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert name in err and "inside the run folder" in err and not marker.exists()
 
 
@@ -162,7 +154,7 @@ def test_resume_that_cannot_keep_bf16_stops(tmp_path, monkeypatch, capsys):
     before.pop(".lock")  # the lock file names its holder (pid and time): a resume that takes the lock rewrites it
     monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: ())  # a CPU without native bf16 (AVX2 only)
     assert _resume(run) == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert "bfloat16" in err and "no native bf16" in err
     after = snapshot(run)
     after.pop(".lock")
@@ -180,7 +172,7 @@ def test_checkpoints_linked_into_another_run_are_refused(finished, tmp_path, cap
     (run / "checkpoints").symlink_to(other / "checkpoints")
     before = snapshot(other)
     assert _resume(run) == 2
-    assert "checkpoints" in _error(capsys)
+    assert "checkpoints" in error_line(capsys)
     assert snapshot(other) == before
 
 
@@ -191,7 +183,7 @@ def test_metrics_linked_out_of_the_run_is_refused(finished, tmp_path, capsys):
     (run / "metrics.jsonl").unlink()
     (run / "metrics.jsonl").symlink_to(victim)
     assert _resume(run) == 2
-    assert "metrics.jsonl" in _error(capsys) and victim.read_text() == "keep me\n"
+    assert "metrics.jsonl" in error_line(capsys) and victim.read_text() == "keep me\n"
 
 
 @pytest.mark.parametrize("command", ["eval", "export"])
@@ -210,7 +202,7 @@ def test_eval_and_export_do_not_follow_links_out(finished, tmp_path, capsys, com
     args = ["eval", str(run), "--limit", "1"] if command == "eval" else ["export", str(run), "--out",
                                                                          str(tmp_path / "out")]
     assert cli_main(*args) == 2
-    assert "outside the run folder" in _error(capsys)
+    assert "outside the run folder" in error_line(capsys)
     assert not (tmp_path / "out").exists() and not (run / "eval.json").exists()
 
 
@@ -307,7 +299,7 @@ def test_corrupt_eapo_prior_adapter_exits_2_naming_it(finished, tmp_path, capsys
     out = tmp_path / "new"
     assert cli_main("train", "--preset", "smoke", *sets(FAST + [f"eapo.prior_adapter={prior}", "train.steps=1"]),
                     "--output", str(out), "--no-progress") == 2
-    assert "eapo.prior_adapter" in _error(capsys)
+    assert "eapo.prior_adapter" in error_line(capsys)
     assert not out.exists()
 
 
@@ -325,7 +317,7 @@ def test_integer_settings_have_upper_bounds(tmp_path, capsys, setting):
     extra = setting.split(" --set ")
     assert cli_main("config", "--preset", "smoke", *sets(extra)) == 2
     key = extra[0].split("=")[0]
-    assert key in _error(capsys)
+    assert key in error_line(capsys)
     out = tmp_path / "run"
     assert cli_main("train", "--preset", "smoke", *sets(extra), "--output", str(out)) == 2
     assert not out.exists()
@@ -365,7 +357,7 @@ def test_output_naming_an_existing_file(tmp_path, capsys):
     f = tmp_path / "results.txt"
     f.write_text("mine\n")
     assert cli_main("train", "--preset", "smoke", *sets(FAST), "--output", str(f), "--no-progress") == 2
-    assert "a file of that name exists" in _error(capsys) and f.read_text() == "mine\n"
+    assert "a file of that name exists" in error_line(capsys) and f.read_text() == "mine\n"
 
 
 @pytest.mark.parametrize("content", [bytes(range(256)) * 4, b"\x00\x01\x02PK\x03\x04", b"a:\n" + b"- " * 0 +
@@ -374,7 +366,7 @@ def test_binary_or_deep_config_file(tmp_path, capsys, content):
     f = tmp_path / "preset.yaml"
     f.write_bytes(content)
     assert cli_main("train", "--preset", str(f), "--output", str(tmp_path / "run")) == 2
-    assert str(f) in _error(capsys) and not (tmp_path / "run").exists()
+    assert str(f) in error_line(capsys) and not (tmp_path / "run").exists()
 
 
 def test_binary_config_in_a_run_folder(finished, tmp_path, capsys):
@@ -382,9 +374,9 @@ def test_binary_config_in_a_run_folder(finished, tmp_path, capsys):
     shutil.copytree(finished, run)
     (run / "config.yaml").write_bytes(os.urandom(4096))
     assert cli_main("eval", str(run), "--limit", "1") == 2
-    assert "config.yaml" in _error(capsys)
+    assert "config.yaml" in error_line(capsys)
     assert _resume(run) == 2
-    assert "config.yaml" in _error(capsys)
+    assert "config.yaml" in error_line(capsys)
 
 
 @pytest.mark.parametrize("change", ["more_rows", "same_count"])
@@ -403,7 +395,7 @@ def test_dataset_changed_between_kill_and_resume(tmp_path, capsys, change):
         rows = [{**r, "answer": str(int(r["answer"]) + 1)} for r in rows]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert _resume(run) == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert "changed since the checkpoint" in err and str(data) in err
 
 
@@ -416,11 +408,11 @@ def test_eval_with_final_weights_missing_stays_local(finished, tmp_path, capsys,
     assert "adapter_model.safetensors" in caplog.text
     shutil.rmtree(run / "checkpoints")
     assert cli_main("eval", str(run), "--limit", "1") == 2
-    assert "adapter_model.safetensors" in _error(capsys)
+    assert "adapter_model.safetensors" in error_line(capsys)
     assert cli_main("eval", str(run / "adapter"), "--limit", "1") == 2  # the adapter folder itself
-    assert "adapter_model.safetensors" in _error(capsys)
+    assert "adapter_model.safetensors" in error_line(capsys)
     assert cli_main("export", str(run), "--out", str(tmp_path / "exp")) == 2
-    assert "adapter_model.safetensors" in _error(capsys)
+    assert "adapter_model.safetensors" in error_line(capsys)
 
 
 def _mount_tmpfs(path, opts):
@@ -438,9 +430,9 @@ def test_eval_into_a_read_only_folder_fails_before_evaluating(finished, tmp_path
     try:
         monkeypatch.setattr(evaluate_mod, "evaluate", lambda *a, **k: pytest.fail("evaluated before the check"))
         assert cli_main("eval", str(finished), "--limit", "1", "--out", str(ro / "eval.json")) == 2
-        assert "cannot write" in _error(capsys)
+        assert "cannot write" in error_line(capsys)
         assert cli_main("eval", str(finished), "--limit", "1", "--out", str(tmp_path)) == 2  # a folder
-        assert "is a folder" in _error(capsys)
+        assert "is a folder" in error_line(capsys)
     finally:
         subprocess.run(["umount", str(ro)], capture_output=True)
 
@@ -456,7 +448,7 @@ def test_full_disk_eval_names_the_target_and_leaves_no_temp(finished, tmp_path, 
             except OSError:
                 pass
         assert cli_main("eval", str(finished), "--limit", "1", "--out", str(disk / "eval.json")) == 2
-        err = _error(capsys)
+        err = error_line(capsys)
         assert "no space left" in err and str(disk / "eval.json") in err and str(Path.cwd()) + ";" not in err
         assert sorted(p.name for p in disk.iterdir()) == ["filler"]
     finally:

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import FAST, REPO, cli_main, sets, snapshot, subprocess_env
+from conftest import FAST, REPO, cli_main, error_line, sets, snapshot, subprocess_env
 
 KINDS = ["fifo", "device", "folder"]
 WHAT = {"fifo": "FIFO", "device": "character device", "folder": "a folder"}
@@ -56,14 +56,6 @@ def special():
     done.set()
 
 
-def _error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err[-3000:]
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, err[-3000:]
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A run stopped after its checkpoint of step 1 (no final adapter, no summary)."""
@@ -87,7 +79,7 @@ def test_a_special_data_file_is_refused_by_train(tmp_path, capsys, special, kind
     rc = cli_main("train", "--preset", "smoke", *sets(FAST + [f"data.dataset={data}"]), "--output", str(out),
                   "--no-progress")
     assert rc == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert str(data) in err and (WHAT[kind] in err or "directory" in err)
     assert not out.exists()
 
@@ -97,7 +89,7 @@ def test_a_special_data_file_is_refused_by_eval(run, tmp_path, capsys, special, 
     data = special(tmp_path / "data.jsonl", kind)
     before = snapshot(run)
     assert cli_main("eval", str(run), "--dataset", str(data), "--limit", "1") == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert str(data) in err and (WHAT[kind] in err or "directory" in err)
     assert snapshot(run) == before
 
@@ -107,7 +99,7 @@ def test_a_fifo_as_parquet_or_arrow_data_is_refused(tmp_path, capsys, special, s
     data = special(tmp_path / f"data{suffix}", "fifo")
     rc = cli_main("train", "--preset", "smoke", *sets(FAST + [f"data.dataset={data}"]), "--output",
                   str(tmp_path / "run"), "--no-progress")
-    assert rc == 2 and "FIFO" in _error(capsys)
+    assert rc == 2 and "FIFO" in error_line(capsys)
 
 
 def test_a_data_file_linked_to_dev_zero_is_refused_within_a_memory_limit(tmp_path):
@@ -135,7 +127,7 @@ def test_a_special_config_file_is_refused(tmp_path, capsys, special, kind):
     cfg = special(tmp_path / "my.yaml", kind)
     for command in (["config"], ["train", "--output", str(tmp_path / "run")]):
         assert cli_main(*command, "--preset", str(cfg)) == 2
-        assert str(cfg) in _error(capsys)
+        assert str(cfg) in error_line(capsys)
     assert not (tmp_path / "run").exists()
 
 
@@ -152,7 +144,7 @@ def test_a_special_file_in_a_run_folder_stops_a_resume(run, tmp_path, capsys, sp
     before = snapshot(copy)
     before.pop(".lock")  # its holder line (pid, time) is rewritten by a resume that takes the lock
     assert cli_main("train", "--resume", str(copy), "--no-progress") == 2
-    err = _error(capsys)
+    err = error_line(capsys)
     assert name in err and WHAT[kind] in err and "not a regular file" in err
     after = snapshot(copy)
     after.pop(".lock", None)
