@@ -76,17 +76,24 @@ KNOWN_SHAPES = {s.name.lower(): s for s in [
 BUILTIN_ALIASES = {"builtin:smollm2-135m-instruct": "smollm2-135m", "builtin:tiny-random": "tiny-random"}
 
 
+def shape_from_config(c, name: str = "") -> ModelShape:
+    """The shape in a config.json mapping or a transformers config object (a multimodal one's text_config)."""
+    if not isinstance(c, dict):
+        c = c.to_dict()
+    c = c.get("text_config") or c
+    heads = int(c["num_attention_heads"])
+    return ModelShape(name, int(c["hidden_size"]), int(c["num_hidden_layers"]), heads,
+                      int(c.get("num_key_value_heads") or heads),
+                      int(c.get("head_dim") or c["hidden_size"] // heads), int(c["intermediate_size"]),
+                      int(c["vocab_size"]), bool(c.get("tie_word_embeddings", False)))
+
+
 def shape_from_config_json(path: str | os.PathLike, name: str = "") -> ModelShape:
     try:
         c = read_json(path)  # a regular file only: a FIFO or a device there never blocks plan
     except ValueError as e:
         raise ConfigError(f"{e}; a model's config.json is a small JSON file") from None
-    c = c.get("text_config", c)
-    heads = int(c["num_attention_heads"])
-    return ModelShape(name or str(path), int(c["hidden_size"]), int(c["num_hidden_layers"]), heads,
-                      int(c.get("num_key_value_heads") or heads),
-                      int(c.get("head_dim") or c["hidden_size"] // heads), int(c["intermediate_size"]),
-                      int(c["vocab_size"]), bool(c.get("tie_word_embeddings", False)))
+    return shape_from_config(c, name or str(path))
 
 
 def _table_key(name: str) -> str:

@@ -30,38 +30,18 @@ block-diagonal B [group out, k*r], zero blocks included).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+
+from basis_lite.model.shape import ModelShape, shape_from_config
 
 
-@dataclass
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
+class Shape(ModelShape):
+    """The product's model shape (basis_lite.model.shape) with the counts the FLOP formulas need."""
 
     @classmethod
     def from_config(cls, c) -> "Shape":
         """From a transformers config object or a config.json mapping."""
-        get = (lambda k, d=None: c.get(k, d)) if isinstance(c, dict) else (lambda k, d=None: getattr(c, k, d))
-        heads = int(get("num_attention_heads"))
-        return cls(hidden=int(get("hidden_size")), layers=int(get("num_hidden_layers")), heads=heads,
-                   kv_heads=int(get("num_key_value_heads") or heads),
-                   head_dim=int(get("head_dim") or int(get("hidden_size")) // heads),
-                   intermediate=int(get("intermediate_size")), vocab=int(get("vocab_size")))
-
-    def layer_linears(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear of one decoder layer (Llama/Qwen2 layout)."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    @property
-    def linear_params(self) -> int:  # P: decoder linear weights, all layers
-        return self.layers * sum(a * b for a, b in self.layer_linears().values())
+        return cls(**dataclasses.asdict(shape_from_config(c)))
 
     @property
     def head_params(self) -> int:  # lm_head H x V (tied or not, it is a matmul)
@@ -73,7 +53,7 @@ class Shape:
 
     def lora_params(self, r: int, targets=None) -> int:
         """R = sum of r*(in+out) over the adapted linears of all layers (targets None or 'all-linear': all seven)."""
-        lin = self.layer_linears()
+        lin = self.linear_shapes
         names = lin if targets in (None, "all-linear") else [n for n in lin if n in targets]
         return self.layers * sum(r * (lin[n][0] + lin[n][1]) for n in names)
 
@@ -130,7 +110,7 @@ def fast_lora_width(shape: Shape, r: int, targets=None) -> int:
     group, the k adapted linears' A matrices stacked [k*r, in] and their s*B block-diagonal [out of the group, k*r],
     both applied dense (the zero blocks are multiplied too): k*r*(in + group out) per layer. Over a float32 base
     the adapter is merged into the weights and costs nothing per position (width 0)."""
-    lin = shape.layer_linears()
+    lin = shape.linear_shapes
     total = 0
     for group in FAST_GROUPS:
         k = sum(1 for n in group if targets in (None, "all-linear") or n in targets)
@@ -141,7 +121,7 @@ def fast_lora_width(shape: Shape, r: int, targets=None) -> int:
 
 def fast_merge_flops(shape: Shape, r: int, targets=None) -> float:
     """FLOPs of one merge of the adapter into float32 weights: W + s * B @ A per adapted linear, 2*out*r*in each."""
-    lin = shape.layer_linears()
+    lin = shape.linear_shapes
     names = lin if targets in (None, "all-linear") else [n for n in lin if n in targets]
     return 2.0 * r * shape.layers * sum(lin[n][0] * lin[n][1] for n in names)
 
