@@ -229,6 +229,7 @@ class ProcessGroupRanks(Ranks):
         self.last_allreduce_s = 0.0
         self.last_allreduce_bytes = 0
         self._closed = False
+        self._stopping = False  # set while the failure message is being written: a SIGTERM then changes nothing
         if not dist.is_initialized():
             kw = {"device_id": device} if device.type == "cuda" else {}
             dist.init_process_group(self.backend, timeout=TIMEOUT, **kw)
@@ -255,6 +256,10 @@ class ProcessGroupRanks(Ranks):
     def failure_message(self, cause: str) -> str:
         from ..runs.checkpoint import latest_checkpoint
 
+        # torchrun sends SIGTERM to the ranks left once one has died, often while this message is being written;
+        # raising from the handler then would break the checkpoint check below half-way (a good checkpoint
+        # reported as damaged), so from here on the handler only lets this message finish
+        self._stopping = True
         dead = self.dead_ranks()
         if dead:
             who = ", ".join(f"rank {r} (pid {self.peers[r][0]})" for r in dead)
@@ -271,6 +276,8 @@ class ProcessGroupRanks(Ranks):
                 f"{self.local_world} -m basis_lite train --resume {self.run_dir}` ({self.world} ranks in all)")
 
     def _on_sigterm(self, signum, frame):
+        if self._stopping:
+            return
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
         raise TrainingAborted(self.failure_message("the launcher ended this rank"))
 

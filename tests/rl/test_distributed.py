@@ -168,6 +168,44 @@ def test_rank_0_refuses_a_taken_folder_and_every_rank_stops(two, tmp_path):
 # in-process: the per-prompt sampler and the helpers
 
 
+def test_sigterm_while_the_failure_message_is_written_keeps_the_checkpoint_good(tmp_path, monkeypatch):
+    """torchrun SIGTERMs the ranks left once one died, often while the survivor checks its last checkpoint for the
+    message. The handler must let that check finish: raised inside it, the exception made a good checkpoint read
+    as damaged and the message said no checkpoint was written (seen in CI)."""
+    import os
+    import signal
+
+    from basis_lite.rl.distributed import ProcessGroupRanks
+    from basis_lite.runs import checkpoint
+
+    ck = tmp_path / "checkpoints" / "step-000002"
+    (ck / "adapter").mkdir(parents=True)
+    for rel in (checkpoint.STATE_JSON, checkpoint.STATE_TENSORS, "config.yaml",
+                f"adapter/{checkpoint.ADAPTER_CONFIG}", f"adapter/{checkpoint.ADAPTER_WEIGHTS}"):
+        (ck / rel).write_text(rel)
+    checkpoint.write_manifest(ck)
+    ranks = object.__new__(ProcessGroupRanks)  # the failure handling alone: no process group
+    ranks.rank, ranks.world, ranks.local_world, ranks.run_dir = 0, 2, 2, tmp_path
+    ranks.peers, ranks._stopping = [(os.getpid(), 0), (2**22 + 1, 0)], False  # rank 1: a pid that is not running
+    real_inside, sent = checkpoint.inside, []
+
+    def inside_with_sigterm(base, path):
+        if not sent:
+            sent.append(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # the launcher's SIGTERM, mid-check
+        return real_inside(base, path)
+
+    monkeypatch.setattr(checkpoint, "inside", inside_with_sigterm)
+    old = signal.signal(signal.SIGTERM, ranks._on_sigterm)
+    try:
+        msg = ranks.failure_message("all_reduce failed: Connection closed by peer")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert sent, "the SIGTERM was never sent: the check did not run"
+    assert "rank 1 (pid" in msg and "died" in msg, msg
+    assert f"last good checkpoint is {ck}" in msg and "--resume" in msg, msg
+
+
 def test_seeded_sampler_draws_from_the_warped_distribution():
     from basis_lite.engines.seeded import SeededSampler, stream_seed
 
