@@ -347,6 +347,10 @@ class TrainConfig:
     mismatch_correction: Any = setting("auto", _mismatch_help, choices=("auto", "always", "never"),
                                        bools=("always", "never"))
     mismatch_cap: float = setting(3.0, "cap of those importance weights (>= 1)", range=AT_LEAST_1)
+    shared_prefix: Any = setting("auto", "log-prob passes run the token prefix all sequences of a micro-batch share "
+                                 "(system prompt, chat template) once instead of once per sequence: auto (on the CPU, "
+                                 "without gradient checkpointing) | always | never", choices=("auto", "always", "never"),
+                                 bools=("always", "never"))
     logprob_chunk_size: int = setting(1024, "tokens per chunk of the lm_head + log-softmax (never the full [B, T, V] "
                                       "fp32 tensor)", range=Range(1, 1 << 24))
     eval_every: int = setting(0, "greedy held-out eval every N steps (0 = only before and after training)",
@@ -379,6 +383,9 @@ def _check_train(cfg: Config) -> None:
     if t.mismatch_correction == "always" and not get_engine(cfg.generation.engine).behaviour_logprobs:
         raise ConfigError(f"train.mismatch_correction: always needs the engine's log-probs, which "
                           f"generation.engine={cfg.generation.engine} does not give; use auto or never")
+    if t.shared_prefix == "always" and cfg.model.gradient_checkpointing:
+        raise ConfigError("train.shared_prefix: always needs model.gradient_checkpointing=false (under checkpointing "
+                          "the model keeps no keys and values to share); use auto or never")
     if t.batch_size * e.rollouts_per_prompt > MAX_SEQUENCES:
         raise ConfigError(f"train.batch_size x estimator.rollouts_per_prompt: {t.batch_size} x {e.rollouts_per_prompt} "
                           f"= {t.batch_size * e.rollouts_per_prompt} sequences per step; at most {MAX_SEQUENCES} are "

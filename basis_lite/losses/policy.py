@@ -176,9 +176,94 @@ def _body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
     return base, body, head
 
 
+MIN_SHARED_PREFIX = 8  # tokens: a shorter common prefix is not worth a pass of its own
+
+
+def common_prefix_len(rows: list[list[int]], needed_from: list[int]) -> int:
+    """The length P of the token prefix all `rows` share that no log-prob reads: P <= needed_from[i] (the first
+    position whose hidden state row i needs: its prompt length - 1) for every row. 0 under MIN_SHARED_PREFIX or
+    with fewer than two rows."""
+    if len(rows) < 2:
+        return 0
+    first = rows[0]
+    n = min(min(needed_from), len(first))
+    for r in rows[1:]:
+        i = 0
+        while i < n and i < len(r) and r[i] == first[i]:
+            i += 1
+        n = i
+    return n if n >= MIN_SHARED_PREFIX else 0
+
+
+class SharedPrefix:
+    """The keys and values of a token prefix that every sequence of a step shares (system prompt, chat template),
+    computed once at batch 1 and read by every micro-batch's rows instead of running the prefix once per row.
+
+        prefix = SharedPrefix.compute(model, ids)     # in the same mode and attention kernel as the rows
+        out = sequence_logprobs(model, ..., prefix=prefix)   # rows must start with `ids`; loss.backward()
+        prefix.backward()                             # after the last micro-batch: the rows' gradients reach
+                                                      # the prefix pass (and through it the adapter) once
+
+    The rows read detached copies (`leaves`) whose .grad sums what every micro-batch sends back; `backward` runs
+    the prefix pass's graph once with those sums, so the accumulated gradient is the one of the plain per-row
+    passes up to float rounding. Without autograd (no_grad) there is no graph and `backward` does nothing."""
+
+    def __init__(self, ids: Tensor, outputs: list[Tensor]):
+        self.ids = ids.reshape(1, -1)  # [1, P]
+        self.length = self.ids.shape[1]
+        self.outputs = outputs  # [k0, v0, k1, v1, ...] each [1, kv heads, P, head dim], with their graph
+        self.leaves = [t.detach().requires_grad_(t.requires_grad) for t in outputs]
+
+    @classmethod
+    def compute(cls, model: nn.Module, ids: Tensor) -> "SharedPrefix":
+        """Run the decoder body over `ids` ([P] or [1, P]) with a cache; keep its keys and values."""
+        _, body, _ = _body_and_head(model)
+        ids = ids.reshape(1, -1)
+        out = body(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        cache = out.past_key_values
+        if cache is None or not hasattr(cache, "layers"):
+            raise RuntimeError(f"{type(body).__name__} returned no key/value cache for the shared prefix "
+                               "(gradient checkpointing on?); use train.shared_prefix=never")
+        return cls(ids, [t for layer in cache.layers for t in (layer.keys, layer.values)])
+
+    def cache(self, body: nn.Module, rows: int):
+        """A fresh cache holding the prefix for `rows` sequences (views of the leaves: no copy until the rows'
+        own keys are appended)."""
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache(config=getattr(body, "config", None))
+        for i in range(len(self.leaves) // 2):
+            k, v = self.leaves[2 * i], self.leaves[2 * i + 1]
+            cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), i)
+        return cache
+
+    def backward(self) -> None:
+        pairs = [(o, leaf.grad) for o, leaf in zip(self.outputs, self.leaves)
+                 if o.requires_grad and leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        for leaf in self.leaves:
+            leaf.grad = None
+
+
+def _body_hidden(body: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                 prefix: Optional[SharedPrefix]) -> Tensor:
+    """[B, T, H] final hidden states. With a `prefix` of P tokens the rows run only their own tokens (from P on)
+    against its keys and values; positions before P come back as zeros (no log-prob reads them)."""
+    if prefix is None:
+        out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    B, P = input_ids.shape[0], prefix.length
+    out = body(input_ids=input_ids[:, P:], attention_mask=attention_mask, past_key_values=prefix.cache(body, B),
+               use_cache=True)
+    tail = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return torch.cat([tail.new_zeros(B, P, tail.shape[-1]), tail], dim=1)
+
+
 def sequence_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
                       chunk_size: int = 1024, temperature: float = 1.0, with_entropy: bool = False,
-                      feature_layer: Optional[int] = None) -> SequenceLogprobs:
+                      feature_layer: Optional[int] = None,
+                      prefix: Optional[SharedPrefix] = None) -> SequenceLogprobs:
     """Next-token log-probs of a causal LM over the completion tokens, computed chunk by chunk.
 
         logprobs[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])         (softmax of logits / temperature)
@@ -189,21 +274,28 @@ def sequence_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tenso
     (LlamaForCausalLM, Qwen2ForCausalLM, ...) or a peft PeftModel around one: the LoRA layers live inside the
     body's modules, so the adapter is applied, and `with model.disable_adapter():` gives the reference policy.
     `feature_layer` (an index into HF's `hidden_states` tuple: 0 = embeddings, -1 = final, normed) also returns
-    that layer's [B, T, H] output, detached.
+    that layer's [B, T, H] output, detached. `prefix` (a SharedPrefix every row starts with; not with
+    `feature_layer`): the rows run from its end on, against its keys and values; the log-probs agree with the plain
+    pass up to float rounding.
     """
     _, body, head = _body_and_head(model)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    if feature_layer is not None:
-        kwargs["output_hidden_states"] = True
-    out = body(**kwargs)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    mask = completion_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
     layer = None
     if feature_layer is not None:
+        out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         hs = getattr(out, "hidden_states", None)
         if hs is None:
             raise RuntimeError(f"{type(body).__name__} returned no hidden_states for feature_layer={feature_layer}")
         layer = hs[feature_layer].detach()
-    mask = completion_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
+    else:
+        if prefix is not None:
+            P = prefix.length
+            if not torch.equal(input_ids[:, :P], prefix.ids.to(input_ids.device).expand(input_ids.shape[0], -1)):
+                raise ValueError(f"the rows do not all start with the shared prefix of {P} tokens")
+            if bool(mask[:, :P].any()):
+                raise ValueError(f"a shared prefix of {P} tokens covers positions whose log-prob is needed")
+        hidden = _body_hidden(body, input_ids, attention_mask, prefix)
     lp, ent = chunked_token_logprobs(hidden[:, :-1], head, input_ids[:, 1:], mask, chunk_size=chunk_size,
                                      temperature=temperature, with_entropy=with_entropy)
     return SequenceLogprobs(logprobs=lp, mask=mask, entropy=ent, hidden_layer=layer)

@@ -20,11 +20,16 @@ detached and multiplied into every token's loss:
     (`engines.eapo.importance_weights`).
 The engine/trainer log-ratio is reported whenever the engine gave log-probs.
 
+Shared prefix (`train.shared_prefix`, on by default on the CPU): the token prefix every trained rollout shares (the
+system prompt and the chat template's head: a third of the default job's tokens) runs once per pass at batch 1
+(losses.policy.SharedPrefix); each micro-batch runs its rows from there against its keys and values, and after the
+last micro-batch the gradients they sent back go through the prefix pass once. Same gradient up to float rounding.
+
 Where the time goes (stats, per rank): `forward_s` (the forward with the graph, which gives the policy's log-probs),
 `logprob_s` (forward-only log-prob passes: the reference policy's, for the KL term and losses that read it),
 `backward_s` and `optimizer_s` (clipping and the optimizer step). What it costs in tokens, independent of the
 machine (summed over the ranks): `trained_tokens` (prompt + completion tokens through forward and backward, every
-pass) and `forward_only_tokens` (tokens through the forward-only passes).
+pass; the step's shared prefix counts once per pass, not once per row) and `forward_only_tokens` (tokens through the forward-only passes).
 """
 from __future__ import annotations
 
@@ -46,6 +51,8 @@ from ..losses.policy import (
     LossOptions,
     Normalizer,
     PolicyBatch,
+    SharedPrefix,
+    common_prefix_len,
     compute_policy_loss,
     kl_k3,
     masked_mean,
@@ -135,6 +142,25 @@ def mismatch_correction_on(cfg: Config) -> bool:
     trainer's: their EngineSpec's mismatch_correction)."""
     m = cfg.train.mismatch_correction
     return m == "always" or (m == "auto" and get_engine(cfg.generation.engine).mismatch_correction)
+
+
+def share_prefix_on(cfg: Config, model) -> bool:
+    """train.shared_prefix resolved: always, never, or auto (on when the model is on the CPU and gradient
+    checkpointing is off: HF keeps no key/value cache under checkpointing, and GPU kernels and Unsloth's patched
+    forward are not checked with it)."""
+    m = cfg.train.shared_prefix
+    if m == "auto":
+        return not cfg.model.gradient_checkpointing and next(model.parameters()).device.type == "cpu"
+    return m == "always"
+
+
+def step_prefix(cfg: Config, rollouts, mbs: list[list[int]]) -> list[int]:
+    """The token prefix every rollout that trains shares and no log-prob of theirs reads (common_prefix_len), as
+    pack_sequences cuts them; [] when shorter than MIN_SHARED_PREFIX."""
+    rows = [(rollouts[i].prompt_ids + rollouts[i].completion_ids)[:cfg.model.max_seq_length]
+            for mb in mbs for i in mb]
+    needed = [len(rollouts[i].prompt_ids) - 1 for mb in mbs for i in mb]
+    return rows[0][:common_prefix_len(rows, needed)] if rows else []
 
 
 def completion_grid(rollouts, values, shape, fill: float) -> torch.Tensor:
@@ -294,6 +320,7 @@ class _Step:
     times: dict = field(default_factory=lambda: {"forward_s": 0.0, "logprob_s": 0.0, "backward_s": 0.0,
                                                  "optimizer_s": 0.0})
     logprobs_out: dict | None = None  # rollout index -> its completion tokens' old log-probs, when the caller asks
+    prefix_ids: list = field(default_factory=list)  # the step's shared prefix (step_prefix), [] = none
 
 
 def run_pass(s: _Step, epoch: int) -> dict:
@@ -307,16 +334,22 @@ def run_pass(s: _Step, epoch: int) -> dict:
     opts = LossOptions.from_train(t)
     temperature = cfg.generation.temperature or 1.0  # the sampling distribution's: logits / T (T = 0 is greedy: 1)
     needs_ref = LOSSES[t.loss].reference
+    prefix = None
+    if s.prefix_ids:  # once per pass: the policy moved since the last one
+        t0 = sync_clock(s.device)
+        prefix = SharedPrefix.compute(s.model, torch.tensor(s.prefix_ids, device=s.device))
+        s.times["forward_s"] += sync_clock(s.device) - t0
+        ep["trained_tokens"] += len(s.prefix_ids)
     for k, mb in enumerate(s.mbs):
         rolls = [s.rollouts[i] for i in mb]
         batch = tuple(x.to(s.device) for x in pack_sequences(rolls, cfg.model.max_seq_length, s.pad_id))
         tokens = float(batch[1].sum())
         t0 = sync_clock(s.device)
         out = sequence_logprobs(s.model, *batch, chunk_size=t.logprob_chunk_size, temperature=temperature,
-                                with_entropy=epoch == 0)
+                                with_entropy=epoch == 0, prefix=prefix)
         t1 = sync_clock(s.device)
         s.times["forward_s"] += t1 - t0
-        ep["trained_tokens"] += tokens
+        ep["trained_tokens"] += tokens - (prefix.length * len(mb) if prefix is not None else 0)
         if epoch == 0:
             old = out.logprobs.detach()
             weights = behaviour_weights(cfg, rolls, [s.eapo_w[i] for i in mb], old, out.mask, s.acc)
@@ -352,6 +385,10 @@ def run_pass(s: _Step, epoch: int) -> dict:
         if out.entropy is not None:
             ep["entropy_sum"] += float((out.entropy * out.mask).sum())
             ep["ent_tokens"] += ntok
+    if prefix is not None:  # the micro-batches' gradients w.r.t. the prefix's keys and values, through its pass
+        t2 = sync_clock(s.device)
+        prefix.backward()
+        s.times["backward_s"] += sync_clock(s.device) - t2
     return ep
 
 
@@ -414,8 +451,10 @@ def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Te
     if cfg.eapo.prior_adapter:
         eapo_w, eapo_stats = eapo_token_weights(cfg, rollouts)
         stats.update(eapo_stats)
+    mbs = micro_batches(cfg, rollouts, advantages)
     s = _Step(cfg, model, rollouts, advantages, pad_id, device, scaler, norm=step_normalizer(cfg, rollouts, ranks),
-              mbs=micro_batches(cfg, rollouts, advantages), eapo_w=eapo_w, logprobs_out=logprobs_out)
+              mbs=mbs, eapo_w=eapo_w, logprobs_out=logprobs_out,
+              prefix_ids=step_prefix(cfg, rollouts, mbs) if share_prefix_on(cfg, model) else [])
     params = [p for p in model.parameters() if p.requires_grad]
     # with several passes, what the passes before a non-finite one changed is put back: a skipped step moves nothing
     saved = ([p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict())) \

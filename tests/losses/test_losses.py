@@ -234,6 +234,94 @@ def test_peft_lora_model_and_disable_adapter(tiny_llama, batch):
     torch.testing.assert_close(ref, base_lp, atol=1e-6, rtol=1e-6)
 
 
+def _prefix_batch(prefix: int = 12):
+    """Four right-padded rows that share their first `prefix` tokens (a system prompt), then prompts and completions
+    of different lengths."""
+    g = torch.Generator().manual_seed(3)
+    lens, prompts = (20, 17, 24, 15), (15, 14, 18, 13)
+    ids = torch.zeros(4, max(lens), dtype=torch.long)
+    attn, comp = torch.zeros_like(ids), torch.zeros_like(ids)
+    head = torch.randint(1, VOCAB, (prefix,), generator=g)
+    for i, (n, p) in enumerate(zip(lens, prompts)):
+        ids[i, :n] = torch.randint(1, VOCAB, (n,), generator=g)
+        ids[i, :prefix] = head
+        attn[i, :n] = 1
+        comp[i, p:n] = 1
+    return ids, attn, comp
+
+
+def test_shared_prefix_pass_matches_the_plain_one_in_values_and_gradients(tiny_llama):
+    """Two micro-batches read one SharedPrefix computed at batch 1: the log-probs, entropies and the accumulated
+    adapter gradients equal those of the plain per-row passes, and the decoder body sees the prefix once."""
+    from peft import LoraConfig, get_peft_model
+
+    from basis_lite.losses.policy import SharedPrefix, common_prefix_len
+
+    ids, attn, comp = _prefix_batch()
+    rows = [ids[i, :int(attn[i].sum())].tolist() for i in range(4)]
+    prompts = [int(comp[i].argmax()) for i in range(4)]
+    assert common_prefix_len(rows, [p - 1 for p in prompts]) == 12  # the prompts differ right after it
+    same = [rows[0][:13] + r[13:] for r in rows]  # identical up to row 3's last prompt token (its prompt: 13)
+    assert common_prefix_len(same, [p - 1 for p in prompts]) == 12  # = that prompt's length - 1
+    model = get_peft_model(copy.deepcopy(tiny_llama), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                 target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                 "o_proj", "up_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    weights = torch.linspace(-1, 1, ids.shape[1] - 1)
+    halves = (slice(0, 2), slice(2, 4))
+    plain = [sequence_logprobs(model, ids[h], attn[h], comp[h], chunk_size=5, temperature=0.7, with_entropy=True)
+             for h in halves]
+    g_plain = grads_of(model, sum((o.logprobs * weights).sum() for o in plain))
+    calls = []
+    hook = model.get_base_model().model.register_forward_pre_hook(
+        lambda mod, args, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    model.zero_grad(set_to_none=True)
+    try:
+        prefix = SharedPrefix.compute(model, ids[0, :12])
+        shared = []
+        for h in halves:
+            out = sequence_logprobs(model, ids[h], attn[h], comp[h], chunk_size=5, temperature=0.7,
+                                    with_entropy=True, prefix=prefix)
+            (out.logprobs * weights).sum().backward()
+            shared.append(out)
+        prefix.backward()
+    finally:
+        hook.remove()
+    assert calls == [(1, 12), (2, ids.shape[1] - 12), (2, ids.shape[1] - 12)]  # the prefix once, at batch 1
+    g_shared = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    for a, b in zip(shared, plain):
+        assert torch.equal(a.mask, b.mask)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.entropy, b.entropy, atol=1e-5, rtol=1e-5)
+    assert_grads_close(g_shared, g_plain, atol=1e-5, rtol=1e-4)
+    with torch.no_grad(), model.disable_adapter():  # no graph: the reference policy through the same path
+        ref_plain = sequence_logprobs(model, ids, attn, comp, chunk_size=5).logprobs
+        ref_shared = sequence_logprobs(model, ids, attn, comp, chunk_size=5,
+                                       prefix=SharedPrefix.compute(model, ids[0, :12])).logprobs
+    torch.testing.assert_close(ref_shared, ref_plain, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefix_refuses_rows_it_does_not_fit(tiny_llama):
+    from basis_lite.losses.policy import SharedPrefix, common_prefix_len
+
+    ids, attn, comp = _prefix_batch()
+    rows = [ids[i, :int(attn[i].sum())].tolist() for i in range(4)]
+    assert common_prefix_len(rows[:1], [20]) == 0  # one row: nothing to share
+    assert common_prefix_len([[1] * 5 + [2], [1] * 5 + [3]], [6, 6]) == 0  # under MIN_SHARED_PREFIX
+    with torch.no_grad():
+        same = ids.clone()
+        same[:, :14] = ids[0, :14]  # the rows share 14 tokens, but row 3's prompt has 13: its first log-prob is at 12
+        with pytest.raises(ValueError, match="covers positions"):
+            sequence_logprobs(tiny_llama, same, attn, comp, prefix=SharedPrefix.compute(tiny_llama, ids[0, :14]))
+        other = ids.clone()
+        other[2, 3] = (other[2, 3] + 1) % VOCAB
+        with pytest.raises(ValueError, match="do not all start"):
+            sequence_logprobs(tiny_llama, other, attn, comp, prefix=SharedPrefix.compute(tiny_llama, ids[0, :12]))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Policy losses
 # ---------------------------------------------------------------------------------------------------------------
