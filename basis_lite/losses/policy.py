@@ -63,6 +63,43 @@ _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps a wild (masked-in) log-ratio from 
 # Chunked log-probs
 # ----------------------------------------------------------------------------------------------------------------
 
+class _FrozenHeadLogprobs(torch.autograd.Function):
+    """log softmax(h @ W.T / T)[tgt] for a frozen float32 head W, with d lp / d h found in the forward:
+
+        d lp_i / d h_i = (W[tgt_i] - softmax(z_i) @ W) / T
+
+    so the backward is one multiply and the logits are never recomputed: two [n, V] matmuls per chunk where the
+    checkpointed path runs three (forward, recomputation, gradient)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, tgt, temperature: float, want_entropy: bool):
+        z = torch.nn.functional.linear(h, weight, bias).float()
+        if temperature != 1.0:
+            z = z / temperature
+        lse = torch.logsumexp(z, dim=-1)
+        lp = z.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
+        p = torch.exp(z - lse.unsqueeze(-1))
+        ent = lse - (p * z).sum(-1) if want_entropy else lp.new_empty(0)
+        del z
+        g = weight.index_select(0, tgt) - p @ weight
+        if temperature != 1.0:
+            g = g / temperature
+        ctx.save_for_backward(g)
+        ctx.h_dtype = h.dtype
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        (g,) = ctx.saved_tensors
+        return (grad_lp.unsqueeze(-1) * g).to(ctx.h_dtype), None, None, None, None, None
+
+
+def _frozen_float32_head(lm_head: nn.Module) -> bool:
+    """True when the head is a plain float32 Linear without trainable parameters: the analytic-gradient path."""
+    return (isinstance(lm_head, nn.Linear) and lm_head.weight.dtype == torch.float32
+            and not any(p.requires_grad for p in lm_head.parameters()))
+
+
 def _chunk_logprobs(h: Tensor, tgt: Tensor, lm_head: nn.Module, temperature: float,
                     want_entropy: list) -> tuple[Tensor, Tensor]:
     """log softmax(lm_head(h) / T)[tgt] for one chunk of rows h [n, H] -> ([n] fp32, entropy [n] fp32 or empty).
@@ -94,9 +131,10 @@ def chunked_token_logprobs(hidden: Tensor, lm_head: nn.Module, targets: Tensor, 
 
     Only positions where `mask` is true are computed; the others are exactly 0. The selected rows of `hidden` are
     processed `chunk_size` at a time (lm_head never sees more than `chunk_size` rows), logits are cast to float32
-    inside the chunk. When autograd is on and something needs a gradient, each chunk runs under
-    `torch.utils.checkpoint(use_reentrant=False)`: the backward saves only the chunk's hidden rows and recomputes its
-    logits, so peak memory is O(chunk_size * V) in forward and backward alike. Differentiable w.r.t. `hidden` and
+    inside the chunk. When autograd is on and something needs a gradient: over a frozen float32 head (LoRA training)
+    each chunk's d lp / d hidden is found in the forward (`_FrozenHeadLogprobs`, [n, H] kept, no recomputation);
+    otherwise each chunk runs under `torch.utils.checkpoint(use_reentrant=False)`: the backward saves only the
+    chunk's hidden rows and recomputes its logits. Either way peak memory is O(chunk_size * V). Differentiable w.r.t. `hidden` and
     lm_head's parameters. The entropy is a metric: computed under no_grad.
 
     Args:
@@ -132,9 +170,13 @@ def chunked_token_logprobs(hidden: Tensor, lm_head: nn.Module, targets: Tensor, 
     t_sel = targets.reshape(-1).index_select(0, idx).long()
     want_entropy = [with_entropy]  # read at call time: False during backward recomputation
     lps, ents = [], []
+    analytic = needs_grad and _frozen_float32_head(lm_head)
     for s in range(0, n, chunk_size):
         h_c, t_c = h_sel[s:s + chunk_size], t_sel[s:s + chunk_size]
-        if needs_grad:
+        if analytic:
+            lp, ent = _FrozenHeadLogprobs.apply(h_c, lm_head.weight, lm_head.bias, t_c, temperature, with_entropy)
+            ent = ent.detach()
+        elif needs_grad:
             lp, ent = checkpoint(_chunk_logprobs, h_c, t_c, lm_head, temperature, want_entropy,
                                  use_reentrant=False)
         else:

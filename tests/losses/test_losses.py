@@ -205,6 +205,31 @@ def test_chunked_empty_mask_and_bad_args():
         chunked_token_logprobs(hidden, head, targets, torch.ones(2, 3), chunk_size=0)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_frozen_head_gradient_found_in_the_forward_matches_autograd(bias, monkeypatch):
+    """A frozen float32 head (LoRA never trains it) takes the analytic path: d lp / d h from the forward, no
+    checkpoint and no recomputed logits; values, entropy and gradients equal the full-vocabulary autograd ones."""
+    import basis_lite.losses.policy as policy
+
+    torch.manual_seed(0)
+    head = nn.Linear(16, VOCAB, bias=bias).requires_grad_(False)
+    hidden = torch.randn(2, 7, 16, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (2, 7))
+    mask = torch.rand(2, 7) > 0.3
+    weights = torch.randn(2, 7)
+    logp = torch.log_softmax(head(hidden).float() / 0.7, -1)
+    ref_lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
+    ref_ent = -(logp.exp() * logp).sum(-1) * mask
+    (g_ref,) = torch.autograd.grad((ref_lp * weights).sum(), hidden)
+    monkeypatch.setattr(policy, "checkpoint", lambda *a, **k: pytest.fail("the frozen head was checkpointed"))
+    lp, ent = chunked_token_logprobs(hidden, head, targets, mask, chunk_size=3, temperature=0.7, with_entropy=True)
+    (g,) = torch.autograd.grad((lp * weights).sum(), hidden)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
+    assert not ent.requires_grad
+
+
 def test_peft_lora_model_and_disable_adapter(tiny_llama, batch):
     from peft import LoraConfig, get_peft_model
 
