@@ -42,7 +42,7 @@ from .rewards.scorer import RewardScorer, column_names, example_columns
 from .rewards.worker import TrainerState
 from .rl import distributed
 from .rl.evaluate import evaluate
-from .rl.guard import check_rollouts
+from .rl.guard import can_defer, check_rollouts, check_trained
 from .rl.priors import load_or_compute_prior, load_or_compute_seeded_prior, prior_values
 from .rl.state import RunState, checkpoint_state, fresh_learning_state, resume_from, stored_decisions
 from .rl.step import Step
@@ -221,7 +221,7 @@ def rollout_step(run: RunState, n: int) -> Step:
     # the engine generated with the adapter being trained, or the run stops here (TrainingAborted)
     spec = select_engine(run.cfg, run.decided.backend if run.decided else "hf", run.device.type)
     guard = check_rollouts(run.cfg, run.model, run.engine, spec, rollouts, n, run.tok.pad_token_id, ranks,
-                           run.run_dir)
+                           run.run_dir, defer=can_defer(run.cfg))  # None: checked in the update (check_trained)
     rewards, scored = score(run, mine, rollouts)
     step = Step.of_rank(n, batch, mine, rollouts, rewards, scored, uses_features=run.uses_features,
                         uses_trajectory=run.uses_trajectory, generation_s=gen_s,
@@ -358,10 +358,16 @@ def _update(run: RunState, step: Step):
     params = [p for p in run.model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     logprobs = {} if run.tracks_drift else None
+    guard = None
+    if step.guard_metrics is None:  # the rollout guard's log-prob check, deferred into the update's first pass
+        def guard(trained: dict) -> None:
+            spec = select_engine(cfg, run.decided.backend if run.decided else "hf", run.device.type)
+            step.guard_metrics = check_trained(cfg, run.model, spec, step.rollouts, trained, n,
+                                               run.tok.pad_token_id, run.ranks, run.run_dir)
     try:
         stats, ok = policy_update(cfg, run.model, run.optimizer, step.rollouts, step.adv_mine(run.ranks),
                                   run.tok.pad_token_id, run.device, n, run.scaler, ranks=run.ranks,
-                                  logprobs_out=logprobs)
+                                  logprobs_out=logprobs, before_step=guard)
     except torch.OutOfMemoryError:
         raise TrainingAborted(
             f"CUDA out of memory at step {n} with train.micro_batch_size={cfg.train.micro_batch_size}; "

@@ -29,9 +29,12 @@ The base checks need the adapter moved (a fresh LoRA is the base): a base-servin
 step after the adapter moved by more than the engine's numeric noise (the last one: once the adapter changed the
 most likely token somewhere).
 
-Every rank checks its own rollouts and the sums are added over the ranks, so all of them stop together. Cost per
-step: two no-grad forwards of GUARD_ROLLOUTS sequences (the spot check, every N steps: a greedy generate of as many
-prompts and two forwards of each).
+Every rank checks its own rollouts and the sums are added over the ranks, so all of them stop together. Where the
+update's first pass scores exactly as the guard would (LoRA dropout 0: `can_defer`), the trainer defers the per-step
+check into the update (`check_trained`): after that pass and before any optimizer step it reads the adapter's
+log-probs from the pass, so nothing of a bad step is trained on still, and the check costs one no-grad forward of
+GUARD_ROLLOUTS sequences with the adapter disabled. Otherwise it runs before scoring: two such forwards (the spot
+check, every N steps: a greedy generate of as many prompts and two forwards of each).
 """
 from __future__ import annotations
 
@@ -52,18 +55,24 @@ SPOT_BASE_SHARE = 0.75  # spot check: the engine "follows the base" when it took
 SPOT_MAX_DISAGREEMENT = 0.5  # spot check: greedy tokens that are not the adapter's most likely one, at most
 
 
-def _scores(cfg, model, rollouts, pad_id: int,
-            temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _scores(cfg, model, rollouts, pad_id: int, temperature: float,
+            adapter: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probs at `temperature` with the adapter, with it disabled, completion mask), [n, T-1] on the CPU, no
-    gradient."""
+    gradient. `adapter` (per rollout, its completion tokens' log-probs with the adapter, from the update's first
+    pass): only the base's are computed."""
     device = next(model.parameters()).device
     batch = tuple(x.to(device) for x in pack_sequences(rollouts, cfg.model.max_seq_length, pad_id))
     kw = dict(chunk_size=cfg.train.logprob_chunk_size, temperature=temperature)
     with inference_mode(model), training_attention(model):
-        out = sequence_logprobs(model, *batch, **kw)
+        if adapter is None:
+            out = sequence_logprobs(model, *batch, **kw)
+            a, mask = out.logprobs.float().cpu(), out.mask.cpu()
         with model.disable_adapter():
-            base = sequence_logprobs(model, *batch, **kw).logprobs
-    return out.logprobs.float().cpu(), base.float().cpu(), out.mask.cpu()
+            base = sequence_logprobs(model, *batch, **kw)
+    if adapter is not None:
+        mask = base.mask.cpu()
+        a = completion_grid(rollouts, [x.tolist() for x in adapter], tuple(mask.shape), 0.0)
+    return a, base.logprobs.float().cpu(), mask
 
 
 def _stop(spec, n: int, what: str, run_dir) -> TrainingAborted:
@@ -73,10 +82,12 @@ def _stop(spec, n: int, what: str, run_dir) -> TrainingAborted:
 
 
 def check_rollouts(cfg, model, engine, spec, rollouts, n: int, pad_id: int, ranks: Ranks | None = None,
-                   run_dir=None) -> dict:
+                   run_dir=None, defer: bool = False) -> dict | None:
     """The guard for step `n`'s rollouts (this rank's) from `engine`, registered as `spec` (engines/__init__.py);
     returns the step's guard metrics ({} when nothing was checked) or raises TrainingAborted naming the engine and
-    the fix (`spec.guard_fix`)."""
+    the fix (`spec.guard_fix`). With `defer` (the update's first pass scores with the adapter exactly as the guard
+    would: `can_defer`), the per-step log-prob check is left to the update (`check_trained`) and None is
+    returned."""
     ranks = ranks or Ranks()
     g = cfg.generation
     if g.guard_max_mismatch <= 0:  # (a rank without rollouts still takes part in the sums)
@@ -84,6 +95,8 @@ def check_rollouts(cfg, model, engine, spec, rollouts, n: int, pad_id: int, rank
     with_lp = [r for r in rollouts if r.logprobs is not None]
     # every rank takes the same branch: engine log-probs anywhere -> the per-step check
     if ranks.max([float(bool(with_lp))])[0]:
+        if defer:
+            return None
         return _compare_logprobs(cfg, model, spec, with_lp[:GUARD_ROLLOUTS], n, pad_id, ranks, run_dir,
                                  cfg.generation.temperature or 1.0)
     if g.guard_check_every and n % g.guard_check_every == 0:
@@ -91,12 +104,30 @@ def check_rollouts(cfg, model, engine, spec, rollouts, n: int, pad_id: int, rank
     return {}
 
 
+def can_defer(cfg) -> bool:
+    """True when the update's first pass gives the guard's adapter log-probs: no dropout on the LoRA input (the
+    pass runs in train mode; the guard scores in eval mode)."""
+    return cfg.lora.dropout == 0
+
+
+def check_trained(cfg, model, spec, rollouts, logprobs: dict, n: int, pad_id: int, ranks: Ranks | None = None,
+                  run_dir=None) -> dict:
+    """The per-step log-prob check of a deferred guard (check_rollouts with defer), inside the update after its
+    first pass and before any optimizer step: `logprobs` (rollout index -> its completion tokens' log-probs with
+    the adapter, from that pass) replaces the guard's own forward with the adapter; the first GUARD_ROLLOUTS
+    rollouts in it with engine log-probs are checked. A step where nothing trained has nothing to check."""
+    ranks = ranks or Ranks()
+    picked = [i for i in sorted(logprobs) if rollouts[i].logprobs is not None][:GUARD_ROLLOUTS]
+    return _compare_logprobs(cfg, model, spec, [rollouts[i] for i in picked], n, pad_id, ranks, run_dir,
+                             cfg.generation.temperature or 1.0, adapter=[logprobs[i] for i in picked])
+
+
 def _compare_logprobs(cfg, model, spec, rollouts, n, pad_id, ranks, run_dir, temperature: float,
-                      what: str = "") -> dict:
+                      what: str = "", adapter: list | None = None) -> dict:
     """The log-prob checks on `rollouts` (all with engine log-probs at `temperature`)."""
     sums = [0.0, 0.0, 0.0, 0.0]  # |e - a|, |e - b|, |a - b|, tokens
     if rollouts:
-        a, b, mask = _scores(cfg, model, rollouts, pad_id, temperature)
+        a, b, mask = _scores(cfg, model, rollouts, pad_id, temperature, adapter)
         e = completion_grid(rollouts, [r.logprobs for r in rollouts], tuple(a.shape), float("nan"))
         known = mask.bool() & torch.isfinite(e)
         e = torch.nan_to_num(e)

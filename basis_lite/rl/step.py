@@ -69,7 +69,8 @@ class Step:
     gather_s: float = 0.0  # the all-gather itself
     gather_bytes: int = 0  # what the all-gather delivers to each rank
     reward_metrics: dict = dataclasses.field(default_factory=dict)  # log_metric calls of this rank's reward functions
-    guard_metrics: dict = dataclasses.field(default_factory=dict)  # the rollout guard's measurements (rl/guard.py)
+    # the rollout guard's measurements (rl/guard.py); None while its check is deferred into the update
+    guard_metrics: dict | None = dataclasses.field(default_factory=dict)
     adv: torch.Tensor | None = None  # [B, G] advantages and baselines of the global batch (trainer.baselines)
     base: torch.Tensor | None = None
     training_s: float = 0.0
@@ -183,7 +184,7 @@ class Step:
             **(run.est_state.metrics() if hasattr(run.est_state, "metrics") else {}),
             **({"value_sampling_skipped": run.sampler.skipped} if run.value_tracker is not None else {}),
             **{f"reward/{k}": v for k, v in self.reward_metrics.items()},  # this rank's (rank 0's under torchrun)
-            **self.guard_metrics,
+            **(self.guard_metrics or {}),
         }
         if ranks.active:
             rec.update({"ranks": ranks.world, "gather_wait_s": self.wait_s, "gather_s": self.gather_s,

@@ -26,7 +26,8 @@ system prompt and the chat template's head: a third of the default job's tokens)
 last micro-batch the gradients they sent back go through the prefix pass once. Same gradient up to float rounding.
 
 Where the time goes (stats, per rank): `forward_s` (the forward with the graph, which gives the policy's log-probs),
-`logprob_s` (forward-only log-prob passes: the reference policy's, for the KL term and losses that read it),
+`logprob_s` (forward-only log-prob passes: the reference policy's, for the KL term and losses that read it, and
+the deferred rollout guard's),
 `backward_s` and `optimizer_s` (clipping and the optimizer step). What it costs in tokens, independent of the
 machine (summed over the ranks): `trained_tokens` (prompt + completion tokens through forward and backward, every
 pass; the step's shared prefix counts once per pass, not once per row) and `forward_only_tokens` (tokens through the forward-only passes).
@@ -424,15 +425,17 @@ def engine_ratio_stats(cfg: Config, acc: dict, ranks: Ranks) -> dict:
 
 
 def policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
-                  step: int = 0, scaler=None, ranks: Ranks | None = None, logprobs_out: dict | None = None):
+                  step: int = 0, scaler=None, ranks: Ranks | None = None, logprobs_out: dict | None = None,
+                  before_step: Callable[[dict], None] | None = None):
     """See `_policy_update`; runs it with the update's attention kernel (model.loading.training_attention)."""
     with training_attention(model):
         return _policy_update(cfg, model, optimizer, rollouts, advantages, pad_id, device, step, scaler, ranks,
-                              logprobs_out)
+                              logprobs_out, before_step)
 
 
 def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Tensor, pad_id: int, device,
-                   step: int = 0, scaler=None, ranks: Ranks | None = None, logprobs_out: dict | None = None):
+                   step: int = 0, scaler=None, ranks: Ranks | None = None, logprobs_out: dict | None = None,
+                   before_step: Callable[[dict], None] | None = None):
     """`train.ppo_epochs` optimizer steps on one batch of rollouts; each accumulates the loss over the
     micro-batches, then clips and steps. Returns (stats, ok).
 
@@ -443,7 +446,9 @@ def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Te
     this rank's share, the counts are the global batch's, and each pass's gradients and statistics are summed over
     the ranks before clipping, so every rank takes the same steps. `logprobs_out` (a dict, optional) receives, per
     index of a rollout that trained, the float32 log-probs of its completion tokens from the first pass's forward
-    (the policy that sampled it, as the trainer scores it).
+    (the policy that sampled it, as the trainer scores it). `before_step(logprobs)` (optional; the deferred rollout
+    guard, rl/guard.py) is called with those log-probs after the first pass and before any optimizer step; what it
+    raises stops the update with the weights untouched.
     """
     ranks = ranks if ranks is not None else Ranks()
     stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "trained_tokens": 0.0, "forward_only_tokens": 0.0}
@@ -452,6 +457,8 @@ def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Te
         eapo_w, eapo_stats = eapo_token_weights(cfg, rollouts)
         stats.update(eapo_stats)
     mbs = micro_batches(cfg, rollouts, advantages)
+    if before_step is not None and logprobs_out is None:
+        logprobs_out = {}
     s = _Step(cfg, model, rollouts, advantages, pad_id, device, scaler, norm=step_normalizer(cfg, rollouts, ranks),
               mbs=mbs, eapo_w=eapo_w, logprobs_out=logprobs_out,
               prefix_ids=step_prefix(cfg, rollouts, mbs) if share_prefix_on(cfg, model) else [])
@@ -467,6 +474,14 @@ def _policy_update(cfg: Config, model, optimizer, rollouts, advantages: torch.Te
         if epoch == 0:
             entropy_sum, ent_tokens = ep.pop("entropy_sum"), int(round(ep.pop("ent_tokens")))
             trained = int(round(ep.pop("trained")))  # over all ranks: every rank steps when any rank trained
+            if before_step is not None:  # a forward-only pass of its own: timed as one
+                g0 = sync_clock(device)
+                try:
+                    before_step(logprobs_out)
+                except BaseException:
+                    optimizer.zero_grad(set_to_none=True)
+                    raise
+                s.times["logprob_s"] += sync_clock(device) - g0
         t0 = sync_clock(device)
         grad_norm, ok = optimizer_step(cfg, optimizer, params, scaler, ep["loss"], trained, step)
         s.times["optimizer_s"] += sync_clock(device) - t0

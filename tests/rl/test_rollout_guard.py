@@ -53,12 +53,20 @@ def _stale_sync(frozen_at: int):
     return sync
 
 
-def test_hf_engine_generating_from_the_base_stops_at_the_first_bad_step(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("dropout", ["0.0", "0.1"])
+def test_hf_engine_generating_from_the_base_stops_at_the_first_bad_step(tmp_path, monkeypatch, capsys, dropout):
     """The engine keeps the model of the first sync (a fresh adapter: the base); step 2 is the first step whose
-    adapter differs from it."""
+    adapter differs from it. Without LoRA dropout the check runs inside the update from its first pass (can_defer);
+    with it, before scoring with forwards of its own."""
+    from basis_lite.rl import guard
+
+    calls = []
+    real = guard._scores
+    monkeypatch.setattr(guard, "_scores", lambda *a, **k: calls.append(a[-1] is not None) or real(*a, **k))
     monkeypatch.setattr(HFEngine, "sync", _stale_sync(1))
     run = tmp_path / "hf"
-    assert _train(run, "generation.fast_cpu=off") == 2
+    assert _train(run, "generation.fast_cpu=off", f"lora.dropout={dropout}") == 2
+    assert calls == [dropout == "0.0"] * 2  # steps 1 and 2: the adapter's log-probs from the update, or computed
     err = capsys.readouterr().err
     assert "rollout guard, step 2: the hf engine generated from the BASE model" in err
     assert "Fix: the rollouts came from a model other than the one being trained" in err
