@@ -16,9 +16,12 @@ larger of any child it waited for), not from the trainer's own log; it also read
 (peak_rss_sampled_mb), and where that exceeds ru_maxrss by more than 5 % the trainer cleared the kernel's
 high-water mark during the run (bench/report.py says so).
 
-One commit: the working tree must hold no uncommitted change to a tracked file (`--allow-dirty` runs anyway and
-marks every run dirty, with the sha256 of `git diff HEAD`), and a comparison folder started on one commit refuses to
-continue on another. The comparison's settings (preset, steps, eval cadence, eval set, --set) are fixed by its first
+One commit: the working tree must hold no uncommitted change to a tracked file that a run executes or reads
+(`--allow-dirty` runs anyway and marks every run dirty, with the sha256 of `git diff HEAD`), and a comparison folder
+started on one commit refuses to continue on another unless the two differ only in files no run executes or reads
+(results, docs, tests: NOT_RUN_CODE), so that committing the finished runs does not end a comparison that takes
+several sessions; its runs then still record the first commit, whose code they ran, and comparison.json the later
+checkouts. The comparison's settings (preset, steps, eval cadence, eval set, --set) are fixed by its first
 invocation (FOLDER/comparison.json); a later one may add arms and seeds.
 
 Resumable: a run whose summary.json exists is done and kept; any other run (interrupted, failed) starts again from
@@ -64,7 +67,7 @@ from basis_lite.safeio import RunLock  # noqa: E402
 from bench.lib.arms import ARMS, arm_overrides, check_estimators, prompts_per_step, use_cold_cache  # noqa: E402
 from bench.lib.curves import read_run  # noqa: E402
 from bench.lib.paths import REPO, shown  # noqa: E402
-from bench.lib.provenance import git_diff_sha256, git_state, loadavg, machine_record  # noqa: E402
+from bench.lib.provenance import git_changed_files, git_diff_sha256, git_state, loadavg, machine_record  # noqa: E402
 from bench.lib.recorders import patched, rss_mb, timer  # noqa: E402
 from bench.lib.report import write_json  # noqa: E402
 from bench.vs_trl import INSTALL_HINT, trl_config_kwargs, worker_trl  # noqa: E402
@@ -78,6 +81,8 @@ PACKAGES = ("transformers", "peft", "trl")
 COSTS = ("prompt_tokens", "generated_tokens", "trained_tokens")
 # the comparison's settings: fixed by its first invocation
 FIXED = ("preset", "steps", "eval_every", "eval_set", "set")
+# paths no run executes or reads: a change there leaves a comparison on the same code (top-level *.md files too)
+NOT_RUN_CODE = ("bench/results/", "docs/", "tests/", "notebooks/", ".ci/")
 
 
 class CompareError(Exception):
@@ -117,19 +122,33 @@ def run_order(arms: list[str], seeds: list[int]) -> list[tuple[str, int]]:
 
 def tree_state(allow_dirty: bool, repo=REPO) -> dict:
     """{commit, dirty[, diff_sha256]} of the checkout the runs train from; CompareError on uncommitted changes to
-    tracked files without `allow_dirty` (with it, dirty is true whatever git says: the tree may change between
-    runs of a long comparison)."""
+    tracked files a run executes or reads (run_code) without `allow_dirty` (with it, dirty is true whatever git
+    says: the tree may change between runs of a long comparison)."""
     g = git_state(repo)
     if g["git_commit"] == "unknown":
         raise CompareError(f"{repo} is not a git checkout: a comparison records the commit it ran on")
+    g["git_dirty"] = bool(run_code(git_changed_files(repo=repo) or []))
     if g["git_dirty"] and not allow_dirty:
-        raise CompareError("the working tree has uncommitted changes to tracked files (git status): a comparison "
+        raise CompareError("the working tree has uncommitted changes to tracked files the runs execute or read "
+                           "(git status; results, docs and tests do not count): a comparison "
                            "runs on one commit; commit or stash them, or pass --allow-dirty (every run is then "
                            "marked dirty)")
     out = {"commit": g["git_commit"], "dirty": bool(allow_dirty or g["git_dirty"])}
     if out["dirty"]:
         out["diff_sha256"] = git_diff_sha256(repo)
     return out
+
+
+def run_code(paths: list[str]) -> list[str]:
+    """The paths of `paths` that a run may execute or read: all but NOT_RUN_CODE and top-level *.md files."""
+    return [p for p in paths if p and not p.startswith(NOT_RUN_CODE) and not ("/" not in p and p.endswith(".md"))]
+
+
+def code_changes(old: str, new: str, repo=REPO) -> list[str] | None:
+    """The files a run executes or reads that differ between commits `old` and `new`; None when git cannot compare
+    them (a commit this checkout does not hold)."""
+    changed = git_changed_files(old, new, repo)
+    return None if changed is None else run_code(changed)
 
 
 def base_overrides(args) -> list[str]:
@@ -181,9 +200,14 @@ def open_comparison(folder: Path, tree: dict, settings: dict, args, argv: list[s
     if path.exists():
         rec = json.loads(path.read_text())
         if rec["commit"] != tree["commit"]:
-            raise CompareError(f"{shown(folder)} ran on commit {rec['commit'][:12]}; this checkout is "
-                               f"{tree['commit'][:12]}. A comparison runs on one commit: check out "
-                               f"{rec['commit'][:12]}, or start a new comparison folder")
+            changed = code_changes(rec["commit"], tree["commit"])
+            if changed is None or changed:
+                what = ("a commit this checkout does not hold" if changed is None else
+                        "the code differs: " + ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else ""))
+                raise CompareError(f"{shown(folder)} ran on commit {rec['commit'][:12]}; this checkout is "
+                                   f"{tree['commit'][:12]} ({what}). A comparison runs on one commit: check out "
+                                   f"{rec['commit'][:12]}, or start a new comparison folder")
+            rec["checkouts"] = list(dict.fromkeys(rec.get("checkouts", []) + [tree["commit"]]))
         old = {k: rec["settings"].get(k) for k in FIXED}
         new = {k: settings.get(k) for k in FIXED}
         if old != new:
@@ -514,7 +538,8 @@ def main(argv=None) -> int:
         return 2
     try:
         try:
-            open_comparison(folder, tree, settings, args, argv)
+            rec = open_comparison(folder, tree, settings, args, argv)
+            tree = {**tree, "commit": rec["commit"]}  # the code every run of the comparison trains
         except CompareError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -92,6 +92,14 @@ def git_diff_sha256(repo=REPO) -> str:
     return hashlib.sha256(_git("diff", "HEAD", repo=repo).encode()).hexdigest()
 
 
+def git_changed_files(old: str = "HEAD", new: str | None = None, repo=REPO) -> list[str] | None:
+    """Tracked files that differ between commit `old` and commit `new` (None: the working tree); None when `old`
+    is not a commit of this checkout."""
+    if not _git("rev-parse", "--verify", "-q", f"{old}^{{commit}}", repo=repo):
+        return None
+    return _git("diff", "--name-only", old, *([new] if new else []), repo=repo).splitlines()
+
+
 def loadavg() -> list[float] | None:
     """The 1/5/15-minute load average, rounded; None where the OS has none."""
     try:

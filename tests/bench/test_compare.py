@@ -105,6 +105,38 @@ def test_a_dirty_tree_is_refused_unless_allowed_and_then_marked(cmp, tmp_path):
         cmp.tree_state(False, tmp_path / "elsewhere")
 
 
+def test_a_comparison_continues_on_a_commit_that_changed_only_results_docs_or_tests(cmp, tmp_path):
+    """Committing finished runs (or docs, or tests) between two invocations leaves the code the runs train the
+    same: the comparison continues; a change to code, a preset or a top-level non-markdown file ends it."""
+    repo = tmp_path / "repo"
+    (repo / "docs").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    (repo / "code.py").write_text("x = 1\n")
+    (repo / "docs" / "a.md").write_text("a\n")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "one")
+    first = cmp.tree_state(False, repo)["commit"]
+    (repo / "docs" / "a.md").write_text("b\n")  # a tracked doc edited: not a dirty tree for a comparison
+    assert cmp.tree_state(False, repo)["dirty"] is False
+    for path in ("bench/results/c/runs/basis/seed0/summary.json", "tests/test_x.py", "README.md"):
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text("{}\n")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "results")
+    second = cmp.tree_state(False, repo)["commit"]
+    assert second != first and cmp.code_changes(first, second, repo) == []
+    (repo / "code.py").write_text("x = 2\n")
+    (repo / "presets").mkdir()
+    (repo / "presets" / "p.yaml").write_text("a: 1\n")
+    with pytest.raises(cmp.CompareError, match="uncommitted changes"):
+        cmp.tree_state(False, repo)
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "code")
+    third = cmp.tree_state(False, repo)["commit"]
+    assert cmp.code_changes(first, third, repo) == ["code.py", "presets/p.yaml"]
+    assert cmp.code_changes("0" * 40, third, repo) is None
+
+
 def test_an_arm_the_installed_package_cannot_run_fails_clearly(cmp, tmp_path, capsys):
     from bench.lib.arms import check_estimators
 
