@@ -162,3 +162,14 @@ def test_report_files_and_blocks_and_check(rp, folder, tmp_path, capsys):
     assert rp.main([str(folder), "--pages", str(page)]) == 2
     assert "unknown block part" in capsys.readouterr().err
     assert rp.main([str(tmp_path / "empty"), "--pages"]) == 2
+
+
+COMMITTED = sorted(p.parent for p in (REPO / "bench" / "results").glob("*/comparison.json"))
+
+
+@pytest.mark.parametrize("folder", COMMITTED, ids=[p.name for p in COMMITTED])
+def test_committed_comparisons_agree_with_their_report_and_pages(rp, folder, capsys):
+    """Every comparison committed under bench/results/: its report.md and the README's and docs' marked blocks are
+    what its raw run files give now (bench/report.py --check), so no committed figure of it is typed by hand."""
+    rc = rp.main([str(folder), "--check"])
+    assert rc == 0, capsys.readouterr().err
