@@ -67,7 +67,7 @@ from basis_lite.safeio import RunLock  # noqa: E402
 from bench.lib.arms import ARMS, arm_overrides, check_estimators, prompts_per_step, use_cold_cache  # noqa: E402
 from bench.lib.curves import read_run  # noqa: E402
 from bench.lib.paths import REPO, shown  # noqa: E402
-from bench.lib.provenance import git_changed_files, git_diff_sha256, git_state, loadavg, machine_record  # noqa: E402
+from bench.lib.provenance import git_changed_files, git_commit, git_diff_sha256, loadavg, machine_record  # noqa: E402
 from bench.lib.recorders import patched, rss_mb, timer  # noqa: E402
 from bench.lib.report import write_json  # noqa: E402
 from bench.vs_trl import INSTALL_HINT, trl_config_kwargs, worker_trl  # noqa: E402
@@ -124,16 +124,16 @@ def tree_state(allow_dirty: bool, repo=REPO) -> dict:
     """{commit, dirty[, diff_sha256]} of the checkout the runs train from; CompareError on uncommitted changes to
     tracked files a run executes or reads (run_code) without `allow_dirty` (with it, dirty is true whatever git
     says: the tree may change between runs of a long comparison)."""
-    g = git_state(repo)
-    if g["git_commit"] == "unknown":
+    commit = git_commit(repo)
+    if commit == "unknown":
         raise CompareError(f"{repo} is not a git checkout: a comparison records the commit it ran on")
-    g["git_dirty"] = bool(run_code(git_changed_files(repo=repo) or []))
-    if g["git_dirty"] and not allow_dirty:
+    dirty = bool(run_code(git_changed_files(repo=repo) or []))
+    if dirty and not allow_dirty:
         raise CompareError("the working tree has uncommitted changes to tracked files the runs execute or read "
                            "(git status; results, docs and tests do not count): a comparison "
                            "runs on one commit; commit or stash them, or pass --allow-dirty (every run is then "
                            "marked dirty)")
-    out = {"commit": g["git_commit"], "dirty": bool(allow_dirty or g["git_dirty"])}
+    out = {"commit": commit, "dirty": bool(allow_dirty or dirty)}
     if out["dirty"]:
         out["diff_sha256"] = git_diff_sha256(repo)
     return out

@@ -78,9 +78,14 @@ def _git(*args: str, repo=REPO) -> str:
         return ""
 
 
+def git_commit(repo=REPO) -> str:
+    """The commit checked out in `repo` (this one); "unknown" outside a checkout."""
+    return _git("rev-parse", "HEAD", repo=repo) or "unknown"
+
+
 def git_state(repo=REPO) -> dict:
     """git_commit ("unknown" outside a checkout) and git_dirty (tracked files changed) of `repo` (this one)."""
-    return {"git_commit": _git("rev-parse", "HEAD", repo=repo) or "unknown",
+    return {"git_commit": git_commit(repo),
             "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no", repo=repo))}
 
 
