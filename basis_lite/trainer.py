@@ -476,9 +476,10 @@ def _loo_ref(rec: dict) -> str:
 def step_line(rec: dict) -> str:
     """The one-line report of a step; a step that left the adapter unchanged says so and why."""
     logp = f" logp {rec['logprob_s']:.1f}s" if rec.get("logprob_s") else ""
+    cut = f" ({rec['clipped_fraction']:.0%} cut off)" if rec.get("clipped_fraction") else ""
     line = (f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc {rec['accuracy']:.3f} | "
             f"baseline {rec['baseline_mean']:.3f} | EV {rec['explained_variance']:+.2f}{_loo_ref(rec)} | "
-            f"len {rec['completion_len']:.0f} | gen {rec['generation_s']:.1f}s train {rec['training_s']:.1f}s "
+            f"len {rec['completion_len']:.0f}{cut} | gen {rec['generation_s']:.1f}s train {rec['training_s']:.1f}s "
             f"(fwd {rec.get('forward_s', 0.0):.1f}s{logp} bwd {rec.get('backward_s', 0.0):.1f}s "
             f"opt {rec.get('optimizer_s', 0.0):.1f}s)")
     if rec.get("zero_update"):

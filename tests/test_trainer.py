@@ -28,7 +28,8 @@ from basis_lite import trainer
 from basis_lite.runs import checkpoint as ckpt
 
 SMOKE_STEP_KEYS = {
-    "accuracy", "advantage_std", "baseline_mean", "clip_fraction", "completion_len", "engine_log_ratio_max",
+    "accuracy", "advantage_std", "baseline_mean", "clip_fraction", "clipped_fraction", "completion_len",
+    "engine_log_ratio_max",
     "engine_log_ratio_mean", "entropy", "explained_variance", "explained_variance_loo_ref", "format_rate",
     "generation_s", "grad_norm", "guard_adapter_shift", "guard_base_distance", "guard_mismatch", "kl", "loss", "lr",
     "nonfinite_rollouts", "peak_memory_mb", "reward_mean", "reward_warnings", "skipped",
@@ -79,6 +80,9 @@ def test_smoke_cli_end_to_end(smoke_run):
             if f != "explained_variance":  # NaN when every reward is equal (the random model scores 0 throughout)
                 assert math.isfinite(r[f]), (f, r[f])
         assert 0 < r["completion_len"] <= cfg.generation.max_new_tokens
+        # a cut-off completion holds exactly the budget; the random model rarely samples its stop token
+        assert 0 <= r["clipped_fraction"] <= 1
+        assert r["clipped_fraction"] * cfg.generation.max_new_tokens <= r["completion_len"] + 1e-9
         assert r["generation_s"] > 0 and r["training_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_mb"] > 0
         assert r["entropy"] > 0 and 0 <= r["accuracy"] <= 1 and r["advantage_std"] >= 0
     assert "prior_cached" in summary  # smoke has prior_samples: 2, so the BASIS prior was loaded or computed

@@ -34,7 +34,8 @@ from .update import OPTIONAL_STEP_METRICS
 if TYPE_CHECKING:
     from .state import RunState
 
-_HEAD = 6  # feature size, generation seconds, reward warnings, trajectory feature size, prompt tokens, non-finite
+_HEAD = 7  # feature size, generation seconds, reward warnings, trajectory feature size, prompt tokens, non-finite,
+# cut off at the budget
 COSTS = ("prompt_tokens", "generated_tokens", "trained_tokens", "forward_only_tokens")  # per step, and cum_* in total
 
 
@@ -78,6 +79,7 @@ class Step:
     logprob_s: float = 0.0  # forward-only log-prob passes outside the update (an estimator's drift measurement)
     forward_only_tokens: int = 0  # their tokens, summed over the ranks
     nonfinite: int = 0  # rollouts whose logits or features were NaN or inf (a diverged adapter), over the ranks
+    clipped: int = 0  # rollouts cut off at generation.max_new_tokens (they did not stop by themselves), over the ranks
 
     @classmethod
     def of_rank(cls, n: int, batch: list, mine: list, rollouts: list, rewards: torch.Tensor, scored, *,
@@ -96,7 +98,8 @@ class Step:
         return cls(n, batch, mine, rollouts, rewards, features, trajectory, [float(x) for x in scored.correct],
                    [float(x) for x in scored.format], [len(r.completion_ids) for r in rollouts], int(reward_warnings),
                    float(generation_s), started=started, reward_metrics=dict(getattr(scored, "metrics", {})),
-                   prompt_tokens=sum(len(r.prompt_ids) for r in rollouts), nonfinite=nonfinite)
+                   prompt_tokens=sum(len(r.prompt_ids) for r in rollouts), nonfinite=nonfinite,
+                   clipped=sum(not r.finished for r in rollouts))
 
     def gathered(self, ranks: Ranks) -> Step:
         """The step over the global batch: every rank's rewards, flags, lengths and features, in rank order (so
@@ -105,7 +108,8 @@ class Step:
         d = 0 if self.features is None else self.features.shape[1]
         dt = 0 if self.trajectory is None else self.trajectory.shape[2]
         head = torch.tensor([float(d), self.generation_s, float(self.reward_warnings), float(dt),
-                             float(self.prompt_tokens), float(self.nonfinite)], dtype=torch.float64)
+                             float(self.prompt_tokens), float(self.nonfinite), float(self.clipped)],
+                            dtype=torch.float64)
         parts = [head, self.rewards.reshape(-1).double().cpu(), torch.tensor(self.correct, dtype=torch.float64),
                  torch.tensor(self.format, dtype=torch.float64),
                  torch.tensor(self.completion_lens, dtype=torch.float64)]
@@ -138,7 +142,7 @@ class Step:
             completion_lens=[int(x) for x in rows[:, cols[3]:cols[4]].reshape(-1).tolist()],
             reward_warnings=int(heads[:, 2].sum()), generation_s=float(heads[:, 1].max()), wait_s=t1 - t0,
             gather_s=t2 - t1, gather_bytes=rows.numel() * rows.element_size(), prompt_tokens=int(heads[:, 4].sum()),
-            nonfinite=int(heads[:, 5].sum()))
+            nonfinite=int(heads[:, 5].sum()), clipped=int(heads[:, 6].sum()))
 
     def adv_mine(self, ranks: Ranks) -> torch.Tensor:
         """This rank's rows of the advantages, flattened (the order of `rollouts`)."""
@@ -166,6 +170,7 @@ class Step:
             "explained_variance": explained_variance(self.rewards, self.base),
             "explained_variance_loo_ref": loo_reference_ev(r_flat.numel()), "kl": stats["kl"],
             "entropy": stats["entropy"], "completion_len": comp_tokens / len(self.completion_lens),
+            "clipped_fraction": self.clipped / len(self.completion_lens),
             "loss": stats["loss"], "grad_norm": stats["grad_norm"], "clip_fraction": stats["clip_fraction"],
             "lr": run.optimizer.param_groups[0]["lr"], "generation_s": self.generation_s,
             "training_s": self.training_s, "forward_s": stats.get("forward_s", 0.0),

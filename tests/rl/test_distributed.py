@@ -31,7 +31,7 @@ OVERRIDES = VARIED + [f"train.steps={STEPS}", "train.batch_size=4", "train.micro
                       "estimator.options={mix: true, probe_min_rows: 4}", "data.train_size=8"]
 KILL = "generation:3"  # after the checkpoint of step 2
 COMPARED = ("reward_mean", "accuracy", "baseline_mean", "advantage_std", "explained_variance", "loss", "grad_norm",
-            "entropy", "completion_len", "lr", "clip_fraction", "update_norm", "mix_weight_loo", "mix_weight_tracker")
+            "entropy", "completion_len", "clipped_fraction", "lr", "clip_fraction", "update_norm", "mix_weight_loo", "mix_weight_tracker")
 
 
 def _torchrun(log_dir: Path, run_dir: Path, args: list[str], **env) -> subprocess.Popen:
