@@ -78,6 +78,10 @@ GFLOP/s = FLOPs / seconds.
 Roofline. Each part with FLOPs gets "x roofline" = seconds / (FLOPs / peak of the model's dtype): 1.0 would be every
 counted FLOP at the best measured GEMM rate; the step summary gives the whole step's FLOPs, roofline seconds and
 x roofline (the step's FLOPs are generation's plus the update's; reward and advantages add seconds, no FLOPs).
+Bandwidth. After the peak, the machine's read bandwidth (bench/lib/matmul_peak.py: measure_bandwidth, a 256 MiB
+buffer). The fast engine's decode row counts the bytes it must read ("GB read": every dense weight copy once per
+decode forward) and gets "x bandwidth" = seconds / (bytes / read bandwidth); "x bound" sets a part against the larger
+of its FLOP and byte times.
 
 Memory. The child process samples its RSS every 20 ms; "RSS MB" is each phase's peak (the phase starts after
 freed heap memory is handed back, so a peak is the phase's own). The "Where the peak memory comes from" table
@@ -136,7 +140,7 @@ from bench.lib.flops import (  # noqa: E402
     lora_of_model,
     vllm_generation_flops,
 )
-from bench.lib.matmul_peak import PEAK_DTYPES, measure_peak  # noqa: E402
+from bench.lib.matmul_peak import PEAK_DTYPES, measure_bandwidth, measure_peak  # noqa: E402
 from bench.lib.paths import results_dir  # noqa: E402
 from bench.lib.provenance import machine_record, with_load_after  # noqa: E402
 from bench.lib.recorders import (  # noqa: E402
@@ -265,6 +269,7 @@ class Child:
         self.trainer_mod, self.update_mod = _step_api()
         self.engine_name, self.dtype_name = spec["engine"], spec["dtype"]
         self.repeats, self.peak, self.tag = max(1, spec["repeats"]), spec["peak_gflops"], spec.get("tag", "")
+        self.bandwidth = spec.get("bandwidth_gbs")
         self.rss = RssSampler()
         self.baseline_mb = rss_mb()
         self.rows: list[Row] = []
@@ -285,7 +290,8 @@ class Child:
         variant = self.dtype_name if gc == "-" else f"{self.dtype_name}, gc {gc}"
         self.rows.append(Row(variant=variant + self.tag, engine=self.engine_name, dtype=self.dtype_name, gc=gc,
                              part=part, seconds=seconds, all_seconds=all_s or [seconds],
-                             peak_gflops=self.peak.get(self.dtype_name), **kw))
+                             peak_gflops=self.peak.get(self.dtype_name),
+                             bandwidth_gbs=self.bandwidth if kw.get("bytes") else None, **kw))
 
     def startup(self):
         """load_policy and make_engine timed ("startup"), the first batch of the sampler, the run state, a warm-up."""
@@ -543,7 +549,9 @@ def _add_generation_rows(add, engine_name, runs, best, shape, lora, rollouts, G)
         add("gen prompt prefill", pr["seconds"], tokens=pr["tokens"], positions=pr["positions"], flops=pr["flops"],
             all_s=each("prompt"), note="prompt suffixes, left-padded to the longest; features taken here")
         add("gen decode", d["seconds"], tokens=d["tokens"], positions=d["positions"], flops=d["flops"],
-            all_s=each("decode"), note=f"{d['calls']} decode forwards; finished rows leave the batch")
+            bytes=d["calls"] * f["weight_bytes"], all_s=each("decode"),
+            note=f"{d['calls']} decode forwards, each reading {f['weight_bytes'] / 1e6:.0f} MB of weight copies; "
+                 "finished rows leave the batch")
         add("gen sampling + cache", f["sampling"]["seconds"], all_s=[r["fast"]["sampling"]["seconds"] for r in runs],
             note="inside FastDecoder.generate: sampling, masks, prefix copy, cache compaction")
         other = best["total"] - f["generate_s"]
@@ -695,6 +703,7 @@ def measure_runs(args, argv, cfg, engines, dtypes, gcs, peak: dict, machine: dic
             name = f"{engine_name}-{dtype_name}"
             spec = {"engine": engine_name, "dtype": dtype_name, "gc": gcs, "preset": args.preset,
                     "overrides": args.overrides, "repeats": args.repeats, "peak_gflops": peak["best"],
+                    "bandwidth_gbs": peak.get("bandwidth", {}).get("read_gbs"),
                     "tag": override_tag(args.overrides) + caps_tag(caps), "result": os.path.join(tmp, f"{name}.json")}
             spec_path = Path(tmp) / f"{name}-request.json"
             spec_path.write_text(json.dumps(spec))
@@ -781,6 +790,8 @@ def main(argv=None) -> int:
     for g in peak["gemms"]:
         print(f"  {g['dtype']:9s} {'x'.join(map(str, g['shape'])):15s} {g['layout']:6s} "
               f"{fmt(g.get('gflops'), '8.1f')} GFLOP/s {g.get('note', '')}", flush=True)
+    peak["bandwidth"] = bw = measure_bandwidth()
+    print(f"  memory bandwidth: {bw['read_gbs']:.1f} GB/s read, {bw['copy_gbs']:.1f} GB/s copied", flush=True)
     write_and_print(args, measure_runs(args, argv, cfg, engines, dtypes, gcs, peak, machine, caps))
     return 0
 

@@ -25,6 +25,8 @@ class Row:
     flops: float | None = None
     peak_gflops: float | None = None  # measured peak of the dtype the model runs in
     rss_peak_mb: float | None = None
+    bytes: float | None = None  # bytes the part must read from memory at least (decode: its weights, every forward)
+    bandwidth_gbs: float | None = None  # measured read bandwidth of the machine
     all_seconds: list = field(default_factory=list)
     note: str = ""
 
@@ -52,10 +54,29 @@ class Row:
         rs = self.roofline_s
         return None if not rs else self.seconds / rs
 
+    @property
+    def bandwidth_s(self) -> float | None:
+        """The time reading this part's bytes once at the measured read bandwidth would take."""
+        return None if not self.bytes or not self.bandwidth_gbs else self.bytes / (self.bandwidth_gbs * 1e9)
+
+    @property
+    def x_bandwidth(self) -> float | None:
+        """Seconds over bandwidth seconds (1.0 = every byte read at the machine's measured bandwidth)."""
+        bs = self.bandwidth_s
+        return None if not bs else self.seconds / bs
+
+    @property
+    def x_bound(self) -> float | None:
+        """Seconds over the larger of the roofline and bandwidth seconds: the part's own bound, whichever of
+        compute and memory traffic it is (None where neither is counted)."""
+        bound = max(self.roofline_s or 0.0, self.bandwidth_s or 0.0)
+        return None if not bound else self.seconds / bound
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(tokens_per_s=self.tokens_per_s, gflops_per_s=self.gflops_per_s, peak_ratio=self.peak_ratio,
-                 roofline_s=self.roofline_s, x_roofline=self.x_roofline)
+                 roofline_s=self.roofline_s, x_roofline=self.x_roofline, bandwidth_s=self.bandwidth_s,
+                 x_bandwidth=self.x_bandwidth, x_bound=self.x_bound)
         return d
 
     @classmethod
@@ -65,13 +86,14 @@ class Row:
 
 
 TABLE_COLUMNS = ("variant", "engine", "part", "s", "tokens", "tok/s", "GFLOP", "GFLOP/s", "% peak", "x roofline",
-                 "RSS MB", "note")
+                 "GB read", "x bandwidth", "x bound", "RSS MB", "note")
 
 
 def row_cells(r: Row) -> list[str]:
     return [r.variant, r.engine, r.part, fmt(r.seconds, ".2f"), fmt(r.tokens, "d"), fmt(r.tokens_per_s, ".1f"),
             fmt(None if r.flops is None else r.flops / 1e9, ".1f"), fmt(r.gflops_per_s, ".2f"),
             fmt(None if r.peak_ratio is None else 100 * r.peak_ratio, ".1f"), fmt(r.x_roofline, ".2f"),
+            fmt(None if r.bytes is None else r.bytes / 1e9, ".1f"), fmt(r.x_bandwidth, ".2f"), fmt(r.x_bound, ".2f"),
             fmt(r.rss_peak_mb, ".0f"), r.note]
 
 
@@ -314,6 +336,15 @@ def render_markdown(doc: dict) -> str:
                                     [[g["dtype"], "x".join(map(str, g["shape"])), g["layout"],
                                       fmt(g.get("gflops"), ".1f"), g.get("note", "")] for g in gemms]))
         lines.append("")
+        bw = [r["peak"]["bandwidth"] for r in runs if caps_tag(r.get("kernel_caps")) == tag
+              and r.get("peak", {}).get("bandwidth")]
+        if bw:
+            lines += [f"Memory bandwidth{tag}: {bw[-1]['read_gbs']:.1f} GB/s read, {bw[-1]['copy_gbs']:.1f} GB/s "
+                      f"copied (read + written), a {bw[-1]['mib']} MiB float32 buffer, {bw[-1]['threads']} threads "
+                      "(bench/lib/matmul_peak.py: measure_bandwidth). A part's \"x bandwidth\" is its seconds over "
+                      "the time reading its \"GB read\" once at the read rate would take: decode reads every "
+                      "weight copy once per forward. \"x bound\" sets the seconds against the larger of the two "
+                      "times: a decode of many rows is bound by its FLOPs, one of few rows by its bytes.", ""]
     lines += ["`a@b`: contiguous [K, N] right operand; `a@w.T`: an [N, K] weight as nn.Linear stores it (torch's "
               "matmul: MKL in float32, oneDNN in bf16); `onednn`: that weight packed by oneDNN, its inner product "
               "(what the fast engine runs in float32). The peak of a dtype is its best row.", "",

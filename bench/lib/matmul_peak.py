@@ -20,6 +20,7 @@ PEAK_LAYOUTS = ("a@b", "a@w.T", "onednn")
 PEAK_DTYPES = ("float32", "bfloat16")
 PEAK_SKIP_S = 10.0  # skip a GEMM predicted to take longer than this per call
 PEAK_BUDGET_S = 3.0  # stop repeating a GEMM after this many seconds of timed calls
+BANDWIDTH_MIB = 256  # the buffer of the bandwidth measurement: far larger than any last-level cache
 
 
 def _gemm(torch, m: int, k: int, n: int, dt, layout: str):
@@ -77,3 +78,18 @@ def measure_peak(dtypes=PEAK_DTYPES, shapes=PEAK_SHAPES, layouts=PEAK_LAYOUTS, r
                     best[dt_name] = max(best.get(dt_name, 0.0), rate)
                 gemms.append(rec)
     return {"gemms": gemms, "best": best, "threads": torch.get_num_threads()}
+
+
+def measure_bandwidth(mib: int = BANDWIDTH_MIB, repeats: int = 5) -> dict:
+    """Main-memory bandwidth with torch's own thread count, the bound of a step that reads more bytes than it
+    computes on (decoding a batch of a few rows reads every weight once per token): `read_gbs`, a float32 buffer
+    of `mib` MiB summed (its bytes read once); `copy_gbs`, that buffer copied into another (bytes read + written).
+    GB/s from the best of up to `repeats` calls after one warm-up."""
+    import torch
+
+    n = mib * 2**20 // 4
+    src, dst = torch.ones(n), torch.empty(n)
+    read, _ = _best_seconds(lambda: src.sum(), repeats)
+    copy, _ = _best_seconds(lambda: dst.copy_(src), repeats)
+    return {"read_gbs": 4 * n / min(read) / 1e9, "copy_gbs": 8 * n / min(copy) / 1e9, "mib": mib,
+            "read_s": read, "copy_s": copy, "threads": torch.get_num_threads()}

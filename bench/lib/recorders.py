@@ -212,6 +212,13 @@ class FastRecorder:
             delattr(self.dec, n)  # the instance attributes go; the class's methods show through again
         self.fmod._common_prefix = self._orig_prefix
 
+    def weight_bytes(self) -> int:
+        """Bytes of the decoder's dense weight copies (every linear of every layer and the head) in its compute
+        dtype: what one forward reads at least, whatever its batch (LoRA factors beside 16-bit copies and the KV
+        cache not counted)."""
+        groups = [g for e in self.dec.layers for g in e["groups"]] + [self.dec.head]
+        return sum(g.shape[0] * g.shape[1] for g in groups) * self.dec.dtype.itemsize
+
     def summary(self, shape: Shape, lora: int, merge_flops: float) -> dict:
         """Per phase: seconds, calls, positions computed, useful tokens and FLOPs (`fast_generation_flops` over each
         generate call's rows, prefix and completions); `checked`: the recorded forwards have the shapes it assumes."""
@@ -235,5 +242,5 @@ class FastRecorder:
         return {**out, "weights": {"seconds": self.refresh_s, "rebuilds": self.rebuilds,
                                    "flops": merge_flops * self.rebuilds},
                 "sampling": {"seconds": inside}, "generate_s": sum(g["seconds"] for g in self.gens),
-                "generate_calls": len(self.gens), "checked": bool(checked),
+                "generate_calls": len(self.gens), "checked": bool(checked), "weight_bytes": self.weight_bytes(),
                 "prefix_lens": [g["prefix"] for g in self.gens]}

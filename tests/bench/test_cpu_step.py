@@ -44,6 +44,17 @@ def test_row_ratio_math_and_cells(rep):
     # 4 GFLOP at a 10 GFLOP/s peak: 0.4 s of roofline; 2.0 s measured is 5x it
     assert r.roofline_s == pytest.approx(0.4) and r.x_roofline == pytest.approx(5.0) and cells["x roofline"] == "5.00"
     assert empty.roofline_s is None and empty.x_roofline is None
+    assert empty.bandwidth_s is None and empty.x_bandwidth is None and cells["x bandwidth"] == "-"
+    # decode: 10 forwards reading 0.5 GB of weights each at 10 GB/s is 0.5 s; 2.0 s measured is 4x it
+    dec = rep.Row(variant="v", engine="fast", dtype="float32", gc="-", part="gen decode", seconds=2.0, bytes=5e9,
+                  bandwidth_gbs=10.0)
+    dcells = dict(zip(rep.TABLE_COLUMNS, rep.row_cells(dec)))
+    assert dec.bandwidth_s == pytest.approx(0.5) and dcells["x bandwidth"] == "4.00" and dcells["GB read"] == "5.0"
+    assert rep.Row.from_dict(dec.to_dict()) == dec and dec.to_dict()["x_bandwidth"] == pytest.approx(4.0)
+    assert dec.x_bound == pytest.approx(4.0) and r.x_bound == pytest.approx(5.0) and empty.x_bound is None
+    both = rep.Row(variant="v", engine="fast", dtype="float32", gc="-", part="gen decode", seconds=2.0, bytes=5e9,
+                   bandwidth_gbs=10.0, flops=8e9, peak_gflops=10.0)  # 0.8 s of FLOPs beats 0.5 s of bytes
+    assert both.x_bound == pytest.approx(2.5) and dict(zip(rep.TABLE_COLUMNS, rep.row_cells(both)))["x bound"] == "2.50"
 
 
 def test_memory_breakdown_adds_up_to_the_measured_peak(rep):

@@ -197,6 +197,12 @@ def test_fast_recorder_matches_what_the_decoder_computed(dtype):
                                        c.get("head_rows", 0), lora_w) for c in calls)
     assert by_shape == pytest.approx(s["prefix"]["flops"] + s["prompt"]["flops"] + s["decode"]["flops"], rel=1e-12)
     assert s["weights"]["rebuilds"] == 1 and s["weights"]["flops"] == (merge if dec.merged else 0.0)
+    # what one forward reads: every dense weight copy of the decoder, built again here to count their bytes
+    dec.refresh(force=True)
+    built = [g for e in dec.layers for g in e["groups"]] + [dec.head]
+    dense = sum((g.w if g.w is not None else g.wm.to_dense()).numel() for g in built)
+    dec.release()
+    assert s["weight_bytes"] == dense * dec.dtype.itemsize > 0
     if not dec.merged:  # the fused adapter buffers the decoder multiplies, [A; A; ...] and block-diagonal s*B
         dec.refresh(force=True)
         per_pos = sum(g.lora[0].numel() + g.lora[1].numel() for e in dec.layers for g in e["groups"] if g.lora)
@@ -247,6 +253,14 @@ def test_peak_skips_a_gemm_predicted_too_slow(monkeypatch):
     assert p["best"]["float32"] == max(g["gflops"] for g in done) > 0
     # the rate is the matmul's FLOPs over the best call
     assert all(g["gflops"] == pytest.approx(flops.matmul_flops(16, 16, 16) / min(g["seconds"]) / 1e9) for g in done)
+
+
+def test_bandwidth_is_bytes_over_the_best_call():
+    bw = matmul_peak.measure_bandwidth(mib=8, repeats=2)
+    n_bytes = 8 * 2**20
+    assert bw["read_gbs"] > 0 and bw["read_gbs"] == pytest.approx(n_bytes / min(bw["read_s"]) / 1e9)
+    assert bw["copy_gbs"] > 0 and bw["copy_gbs"] == pytest.approx(2 * n_bytes / min(bw["copy_s"]) / 1e9)
+    assert bw["threads"] >= 1 and len(bw["read_s"]) >= 1
 
 
 # ---- the machine record --------------------------------------------------------------------------------------------
