@@ -13,7 +13,8 @@ at the base budget and batch (`--grid full`: every combination). The default mod
 and `shapes:smollm2-135m`, `shapes:smollm2-360m`: SmolLM2's architecture at those sizes with random weights (see
 SHAPES: no package registry holds SmolLM2-360M's weights; a step's cost follows the shapes and the tokens, and random
 weights run every completion to the budget, so the two shapes models compare sizes at equal tokens; on the model
-axis each is set against the first model of its kind). A point sets generation.max_new_tokens,
+axis each is set against the first model of its kind; they earn no reward, so their points score with
+bench/lib/cost_reward.py, deterministic and varied, for the update to run). A point sets generation.max_new_tokens,
 train.batch_size (rollouts per step) and model.name; model.max_seq_length grows with the budget so that the
 preset's room for the prompt stays the same.
 
@@ -63,7 +64,8 @@ QUICK = {"preset": "smoke", "models": ["builtin:tiny-random"], "tokens": [8, 12]
 # `shapes:<name>` models: the SmolLM2 architecture at a published size with random weights, the built-in model's
 # tokenizer and chat template (no package registry holds SmolLM2-360M's weights). A step's cost depends on the
 # shapes and the tokens, not on the weights; random weights almost never sample the stop token, so every completion
-# runs to the budget.
+# runs to the budget. They earn no reward, so their points add SHAPES_REWARD (deterministic, varied): without it
+# every advantage would be 0 and no update would run.
 SHAPES = {"smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                            "num_attention_heads": 9, "num_key_value_heads": 3},
           "smollm2-360m": {"hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32,
@@ -74,6 +76,7 @@ class ScalingError(Exception):
     """Bad input: exit 2 with one line."""
 
 
+SHAPES_REWARD = "bench.lib.cost_reward:varied"
 DEFAULT_MODELS = ",".join([BUILTIN] + [f"shapes:{k}" for k in SHAPES])
 
 
@@ -154,8 +157,12 @@ def point_overrides(cfg0, point: dict) -> list[str]:
     """--set items of a point: its budget, batch and model, and a max_seq_length that keeps the preset's room for
     the prompt."""
     room = cfg0.model.max_seq_length - cfg0.generation.max_new_tokens
-    return [f"generation.max_new_tokens={point['tokens']}", f"train.batch_size={point['batch']}",
-            f"model.name={point.get('model_path', point['model'])}", f"model.max_seq_length={max(cfg0.model.max_seq_length, room + point['tokens'])}"]
+    out = [f"generation.max_new_tokens={point['tokens']}", f"train.batch_size={point['batch']}",
+           f"model.name={point.get('model_path', point['model'])}",
+           f"model.max_seq_length={max(cfg0.model.max_seq_length, room + point['tokens'])}"]
+    if point["model"].startswith("shapes:"):  # random weights earn no reward: without one, no update would run
+        out.append(f"reward.functions=[{SHAPES_REWARD}]")
+    return out
 
 
 def check_points(preset: str, base: list[str], points: list[dict], arms: list[str]) -> None:
@@ -192,7 +199,7 @@ def basis_steps(run_dir: Path) -> list[dict]:
             continue
         row = {"step": rec["step"], "update_s": rec["training_s"], **{k: rec.get(k, 0.0) for k in PARTS},
                "generated_tokens": rec.get("generated_tokens"), "clipped_fraction": rec.get("clipped_fraction"),
-               "completion_len": rec.get("completion_len")}
+               "completion_len": rec.get("completion_len"), "trained_sequences": rec.get("trained_sequences")}
         out.append(row)
     return out
 
@@ -272,12 +279,24 @@ def mean(xs) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def trained_nothing(step: dict) -> bool:
+    """A basis-lite step whose update trained no sequence: every advantage was 0 (all rewards of the batch alike),
+    so no forward or backward ran. Older raw files lack trained_sequences: no forward and no backward time then."""
+    if step.get("trained_sequences") is not None:
+        return step["trained_sequences"] == 0
+    return "forward_s" in step and not step["forward_s"] and not step.get("backward_s")
+
+
 def arm_summary(arm: str, rec: dict) -> dict:
-    """Seconds per step and its parts (means over the steady steps), tokens per step, clipped fraction, peaks."""
+    """Seconds per step and its parts (means over the steady steps; the update's over the steady steps that trained
+    something, or over every step that did when none of the steady ones did), tokens per step, clipped fraction,
+    peaks."""
     st = steady(rec["steps"])
+    trained = [s for s in st if not trained_nothing(s)] or [s for s in rec["steps"] if not trained_nothing(s)]
     parts = ("generation_s", "update_s") + (("forward_s", "logprob_s", "backward_s", "optimizer_s")
                                             if arm == "basis" else ())
-    out = {k: mean(s.get(k) for s in st) for k in parts}
+    out = {k: mean(s.get(k) for s in (st if k == "generation_s" else trained)) for k in parts}
+    out["untrained_steps"] = sum(trained_nothing(s) for s in rec["steps"])
     out["step_s"] = (out["generation_s"] or 0.0) + (out["update_s"] or 0.0)
     out["generated_tokens"] = mean(s.get("generated_tokens") for s in st)
     out["clipped_fraction"] = mean(s.get("clipped_fraction") for s in rec["steps"])
@@ -327,6 +346,8 @@ def table_rows(points: list[dict]) -> list[list[str]]:
                 upd += " (" + " / ".join(fmt(s[k], ".1f") for k in ("forward_s", "logprob_s", "backward_s",
                                                                       "optimizer_s")) + ")"
             g = [f"{ax} x{grows[arm][(p['name'], ax)]:.2f}" for ax in p["axes"] if (p["name"], ax) in grows[arm]]
+            if s["untrained_steps"]:
+                upd += f"; {s['untrained_steps']} of {len(p['arms'][arm]['steps'])} steps trained nothing"
             dom = "-" if s["dominant"] is None else f"{PART_NAMES[s['dominant']]} {s['dominant_share']:.0%}"
             rows.append([p["name"], ", ".join(p["axes"]) or "-", arm, fmt(s["step_s"], ".1f"), "; ".join(g) or "-",
                          fmt(s["generation_s"], ".1f"), upd, dom, fmt(s["generated_tokens"], ".0f"),
@@ -358,7 +379,9 @@ def render(out: Path) -> str:
         m = meta["machine"]
         lines += [f"Machine: {flags_line(m)}; torch {m.get('torch')} with {m.get('torch_threads')} threads; commit "
                   f"{str(m.get('git_commit'))[:12]}{' (dirty)' if m.get('git_dirty') else ''}.", ""]
-    lines += ["s/step: mean generation + update seconds over the steps after the first (the first warms up); "
+    lines += ["s/step: mean generation + update seconds over the steps after the first (the first warms up); a "
+              "basis-lite step whose batch rewards were all alike trains nothing (every advantage 0) and takes no "
+              "update time, so the update's mean leaves such steps out and the table says how many there were; "
               "x smallest: against the smallest point on the same axis (the first model). update for basis-lite: "
               "forward with the graph / log-prob passes / backward / optimizer. dominant: the largest part "
               "(basis-lite: of its five; TRL: generation or update). tokens/step: completion tokens generated; cut "

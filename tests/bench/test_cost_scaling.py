@@ -52,6 +52,14 @@ def test_a_larger_budget_keeps_the_room_for_the_prompt(cs):
     assert f"model.max_seq_length={room + 256}" in ov and "generation.max_new_tokens=256" in ov
     cfg = load_config("cpu-smollm2-arith", ov)
     assert cfg.model.max_seq_length - cfg.generation.max_new_tokens == room and cfg.train.batch_size == 32
+    assert cfg.reward.functions == []  # the real model keeps the real reward
+    shp = cs.make_points(["shapes:smollm2-360m"], [48], [32], base_batch=32)[0]
+    cfg = load_config("cpu-smollm2-arith", cs.point_overrides(cfg0, {**shp, "model_path": "/m"}))
+    assert cfg.reward.functions == [cs.SHAPES_REWARD] and cfg.model.name == "/m"
+    from bench.lib.cost_reward import varied
+
+    scores = varied(["p"] * 3, ["a", "b", "abc"])
+    assert len(set(scores)) > 1 and all(0 <= x <= 1 for x in scores)
 
 
 def _basis(step_s):
@@ -67,6 +75,13 @@ def test_summary_skips_the_warm_up_step_and_names_the_dominant_part(cs):
     assert s["generation_s"] == 5.0 and s["update_s"] == 10.0 and s["step_s"] == 15.0
     assert s["dominant"] == "generation_s" and s["dominant_share"] == pytest.approx(5 / 15)
     assert s["clipped_fraction"] == pytest.approx((0.5 + 0.25 + 0.25) / 3)  # every step counts for the cut-off rate
+    # a step that trained nothing (all advantages 0) is no update time: left out of the update's mean
+    rec = _basis([(4.0, 10.0), (6.0, 0.0)])
+    rec["steps"][2].update(forward_s=0.0, backward_s=0.0, trained_sequences=0)
+    u = cs.arm_summary("basis", rec)
+    assert u["update_s"] == 10.0 and u["generation_s"] == 5.0 and u["untrained_steps"] == 1
+    old = _basis([(4.0, 10.0), (6.0, 0.0)])  # a raw file without trained_sequences: no forward, no backward
+    assert cs.arm_summary("basis", old)["untrained_steps"] == 1
     t = cs.arm_summary("trl8", {"steps": [{"step": 1, "generation_s": 9.0, "update_s": 1.0},
                                           {"step": 2, "generation_s": 2.0, "update_s": 6.0}], "peak_rss_mb": 1.0})
     assert t["step_s"] == 8.0 and t["dominant"] == "update_s" and t["plan_peak_gib"] is None
