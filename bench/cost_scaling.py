@@ -473,6 +473,9 @@ def main(argv=None) -> int:
             continue
         if run_point(p, args, list(args.set), out, args.runs, machine) is None:
             failed.append(p["name"])
+    if len(failed) == len(points):
+        print(f"error: every point failed ({', '.join(failed)}); nothing to report", file=sys.stderr)
+        return 1
     (out / "scaling.md").write_text(render(out))
     print(text_table(TABLE, table_rows(load_points(out))))
     print(f"wrote {shown(out)}/scaling.md")
