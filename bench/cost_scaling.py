@@ -35,7 +35,6 @@ matches between the arms and what it cannot.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import re
@@ -49,9 +48,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from basis_lite.config import DEFAULT_PRESET, ConfigError, load_config  # noqa: E402
+from bench.lib.curves import read_run  # noqa: E402
 from bench.lib.paths import RESULTS, shown  # noqa: E402
 from bench.lib.provenance import flags_line, loadavg, machine_record  # noqa: E402
-from bench.lib.report import fmt, markdown_table, text_table, write_json  # noqa: E402
+from bench.lib.report import fmt, markdown_table, mean_present, text_table, write_json  # noqa: E402
 
 ARMS = ("basis", "trl8")
 TOKENS = (48, 128, 256)
@@ -170,10 +170,9 @@ def check_points(preset: str, base: list[str], points: list[dict], arms: list[st
     cfg0 = load_config(preset, base)
     for p in points:
         shapes_name(p["model"])
+        stand_in = BUILTIN if p["model"].startswith("shapes:") else p["model"]  # a shapes: folder is built later
         try:
-            cfg = load_config(preset, base + point_overrides(cfg0, {**p, "model_path": p.get("model_path", BUILTIN)
-                                                                     if p["model"].startswith("shapes:") else
-                                                                     p["model"]}))
+            cfg = load_config(preset, base + point_overrides(cfg0, {**p, "model_path": stand_in}))
         except ConfigError as e:
             raise ScalingError(f"point {p['name']}: {e}") from None
         if "trl8" in arms and cfg.train.batch_size % 8:
@@ -185,18 +184,12 @@ def check_points(preset: str, base: list[str], points: list[dict], arms: list[st
 # one point: run vs_trl.py, keep the raw numbers
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def basis_steps(run_dir: Path) -> list[dict]:
-    """Per step of basis-lite's run: the parts of its clock, tokens generated and the fraction cut off."""
+    """Per step of basis-lite's run (its metrics.jsonl, read as bench/lib/curves.read_run reads it): the parts of its
+    clock, tokens generated and the fraction cut off."""
     out = []
-    for rec in read_jsonl(run_dir / "metrics.jsonl"):
-        if "step" not in rec or "generation_s" not in rec or rec.get("event"):
-            continue
+    steps, _evals = read_run(run_dir)
+    for rec in steps.values():
         row = {"step": rec["step"], "update_s": rec["training_s"], **{k: rec.get(k, 0.0) for k in PARTS},
                "generated_tokens": rec.get("generated_tokens"), "clipped_fraction": rec.get("clipped_fraction"),
                "completion_len": rec.get("completion_len"), "trained_sequences": rec.get("trained_sequences")}
@@ -274,11 +267,6 @@ def steady(steps: list[dict]) -> list[dict]:
     return steps[1:] if len(steps) > 1 else steps
 
 
-def mean(xs) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
 def trained_nothing(step: dict) -> bool:
     """A basis-lite step whose update trained no sequence: every advantage was 0 (all rewards of the batch alike),
     so no forward or backward ran. Older raw files lack trained_sequences: no forward and no backward time then."""
@@ -295,11 +283,11 @@ def arm_summary(arm: str, rec: dict) -> dict:
     trained = [s for s in st if not trained_nothing(s)] or [s for s in rec["steps"] if not trained_nothing(s)]
     parts = ("generation_s", "update_s") + (("forward_s", "logprob_s", "backward_s", "optimizer_s")
                                             if arm == "basis" else ())
-    out = {k: mean(s.get(k) for s in (st if k == "generation_s" else trained)) for k in parts}
+    out = {k: mean_present(s.get(k) for s in (st if k == "generation_s" else trained)) for k in parts}
     out["untrained_steps"] = sum(trained_nothing(s) for s in rec["steps"])
     out["step_s"] = (out["generation_s"] or 0.0) + (out["update_s"] or 0.0)
-    out["generated_tokens"] = mean(s.get("generated_tokens") for s in st)
-    out["clipped_fraction"] = mean(s.get("clipped_fraction") for s in rec["steps"])
+    out["generated_tokens"] = mean_present(s.get("generated_tokens") for s in st)
+    out["clipped_fraction"] = mean_present(s.get("clipped_fraction") for s in rec["steps"])
     split = {k: out[k] for k in (("generation_s", "forward_s", "logprob_s", "backward_s", "optimizer_s")
                                  if arm == "basis" else ("generation_s", "update_s")) if out.get(k) is not None}
     out["dominant"] = max(split, key=split.get) if split else None

@@ -39,7 +39,7 @@ from bench.lib.arms import ARMS  # noqa: E402
 from bench.lib.curves import first_point_reaching, read_run  # noqa: E402
 from bench.lib.paths import REPO, shown  # noqa: E402
 from bench.lib.provenance import flags_line  # noqa: E402
-from bench.lib.report import fmt_seconds, markdown_table, write_json  # noqa: E402
+from bench.lib.report import fmt_seconds, markdown_table, mean_present, write_json  # noqa: E402
 
 BASE = "basis"
 TARGETS = (0.55, 0.60, 0.65)
@@ -191,11 +191,6 @@ def mean_curve(seed_runs: dict[int, dict]) -> list[dict]:
     return out
 
 
-def _mean(vals) -> float | None:
-    vals = [v for v in vals if v is not None]
-    return sum(vals) / len(vals) if vals else None
-
-
 def analyze(runs: dict, targets=TARGETS) -> dict:
     """Everything the report shows, as numbers (report.json)."""
     arms = arm_order(runs)
@@ -210,10 +205,10 @@ def analyze(runs: dict, targets=TARGETS) -> dict:
             "seeds": sorted(rs), "n": len(ss), "description": ss[0].get("description"),
             "prompts_per_step": ss[0]["prompts_per_step"], "rollouts_per_prompt": ss[0]["rollouts_per_prompt"],
             "rollouts": ss[0]["rollouts_per_step"] * ss[0]["steps"],
-            "accuracy_before": _mean(s["accuracy_before"] for s in ss), "accuracy_after": acc, "accuracy_se": se,
-            "accuracy_after_by_level": {lv: _mean(s.get("accuracy_after_by_level", {}).get(lv) for s in ss)
+            "accuracy_before": mean_present(s["accuracy_before"] for s in ss), "accuracy_after": acc, "accuracy_se": se,
+            "accuracy_after_by_level": {lv: mean_present(s.get("accuracy_after_by_level", {}).get(lv) for s in ss)
                                         for lv in levels},
-            **{k: _mean(s.get(k) for s in ss) for k in ("clock_s", "generation_s", "update_s", "reference_s",
+            **{k: mean_present(s.get(k) for s in ss) for k in ("clock_s", "generation_s", "update_s", "reference_s",
                                                        "eval_s", "load_s", "wall_s", "generated_tokens",
                                                        "trained_tokens", "prompt_tokens", "reference_tokens",
                                                        "peak_rss_mb", "explained_variance_mean")},

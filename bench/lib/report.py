@@ -55,6 +55,12 @@ def write_json(path, doc, indent: int = 1) -> Path:
     return path
 
 
+def mean_present(xs) -> float | None:
+    """The mean of the values of `xs` that are not None; None when there are none."""
+    vals = [x for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
 def fmt_na(x, digits: int = 4) -> str:
     """`x` with `digits` decimals; 'n/a' for None or NaN."""
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
