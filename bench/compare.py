@@ -191,12 +191,23 @@ def plan(args) -> tuple[dict, dict]:
     return specs, settings
 
 
+def recorded_command(folder: Path, argv: list[str]) -> str:
+    """The invocation as comparison.json records it, with no machine path: the folder argument written as
+    bench/results/<name> when it lies in a bench/results folder (of this checkout, or of another one that a worktree
+    at the comparison's commit writes into), else as `shown` writes paths."""
+    where = folder.resolve()
+    as_written = (f"bench/results/{where.name}" if where.parent.name == "results" and where.parent.parent.name == "bench"
+                  else shown(where))
+    return "python bench/compare.py " + " ".join(
+        as_written if not a.startswith("-") and Path(a).resolve() == where else a for a in argv)
+
+
 def open_comparison(folder: Path, tree: dict, settings: dict, args, argv: list[str]) -> dict:
     """FOLDER/comparison.json, created or continued: CompareError when it ran on another commit or with other
     settings; the arms and seeds of this invocation are added to it."""
     path = folder / COMPARISON
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    command = "python bench/compare.py " + " ".join(argv)
+    command = recorded_command(folder, argv)
     if path.exists():
         rec = json.loads(path.read_text())
         if rec["commit"] != tree["commit"]:

@@ -137,6 +137,15 @@ def test_a_comparison_continues_on_a_commit_that_changed_only_results_docs_or_te
     assert cmp.code_changes("0" * 40, third, repo) is None
 
 
+def test_the_recorded_command_holds_no_machine_path(cmp, tmp_path):
+    main_results = tmp_path / "main" / "bench" / "results" / "dev"  # a worktree writing into main's folder
+    assert cmp.recorded_command(main_results, [str(main_results), "--seeds", "4-7", "--arms", "basis"]) == \
+        "python bench/compare.py bench/results/dev --seeds 4-7 --arms basis"
+    other = tmp_path / "elsewhere" / "cmp"
+    assert cmp.recorded_command(other, [str(other), "--seeds", "0"]) == "python bench/compare.py cmp --seeds 0"
+    assert str(tmp_path) not in cmp.recorded_command(other, [str(other), "--seeds", "0"])
+
+
 def test_an_arm_the_installed_package_cannot_run_fails_clearly(cmp, tmp_path, capsys):
     from bench.lib.arms import check_estimators
 
