@@ -14,13 +14,16 @@ Torch-free (it imports neither torch nor the model code), so `basis-lite plan` s
 The estimate is arithmetic over the model's shape (read from a local config.json, the local Hugging Face cache, or
 a small built-in table of known models: nothing is downloaded) and the config:
 
-    CUDA context        ~0.5 GiB
+    CUDA context        ~0.5 GiB; on the CPU instead the runtime, ~0.44 GiB (interpreter, torch, transformers, peft)
     base weights        4-bit linears: params x ~0.52 B (NF4 + double-quantised absmax); embeddings and an untied
                         lm_head stay 16-bit. Without load_in_4bit: params x dtype bytes.
     LoRA                params + grads in fp32 (8 B/param), the optimizer's state (rl/optimizers.py: AdamW8bit
                         ~2 B/param, fp32 AdamW 8 B/param)
     activations         gradient checkpointing: micro_batch x seq x hidden x layers x dtype bytes (the saved layer
-                        inputs) + one layer's full activations + one dequantised 16-bit weight
+                        inputs) + one layer's full activations + one dequantised 16-bit weight; on the CPU a layer
+                        also keeps its attention kernel's per-key tensors and, over a 16-bit base, peft's fp32
+                        input copies (layer_activation_bytes), and the heap keeps freed buffers around them
+                        (CPU_HEAP_FACTOR x the activations, fitted to measured whole-job peaks)
     log-prob chunk      logprob_chunk_size x vocab x 4 B x 3 (fp32 logits, log-softmax, their gradient)
     generation          by the memory model of the engine the run builds (EngineSpec.memory, engines/__init__.py):
                         kv_cache (hf): the KV cache of one generate() batch, 2 x layers x kv_heads x head_dim x bytes
@@ -51,6 +54,13 @@ from .rl.optimizers import OPTIMIZERS, resolve_optimizer
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5
+# the resident set of the interpreter after importing torch, transformers, peft and math-verify, before any model:
+# bench/cpu_step.py's "process baseline" (447 MiB with torch 2.13 on the AVX2 machine of bench/results/cpu_step/)
+CPU_RUNTIME_GIB = 0.44
+# glibc keeps the update's freed buffers in the heap for reuse, so a CPU update peaks above its live tensors: this
+# share of the activation estimate, fitted to the whole-job peaks of bench/results/scaling-wordproblems/ (default
+# job, 128 and 256 new tokens, 16-64 rollouts, 135M and 360M shapes)
+CPU_HEAP_FACTOR = 0.5
 VLLM_BUFFERS_GIB = 0.4  # vLLM's own activations / sampler / CUDA-graph pool when the card size is unknown
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax per 64 + fp32 absmax per 256 blocks
 NCCL_BUFFERS_GIB = 0.25  # NCCL's communicator buffers per card with several GPUs (rough: depends on NCCL_BUFFSIZE)
@@ -152,7 +162,10 @@ def held_parts(s: _Sizing) -> float:
     """The runtime, base weights, LoRA params + grads, optimizer state and data-parallel buffers; returns the base
     weights' GiB."""
     cfg, shape, db = s.cfg, s.shape, s.db
-    s.parts["CUDA context" if s.cuda else "runtime (none on CPU)"] = CUDA_CONTEXT_GIB if s.cuda else 0.0
+    if s.cuda:
+        s.parts["CUDA context"] = CUDA_CONTEXT_GIB
+    else:
+        s.parts["runtime (interpreter, torch, transformers, peft)"] = CPU_RUNTIME_GIB
     if cfg.model.load_in_4bit:
         weights = (shape.linear_params * NF4_BYTES_PER_PARAM + shape.embedding_params * db) / GIB
         s.parts["base weights (4-bit linears, 16-bit embeddings)"] = weights
@@ -174,7 +187,7 @@ def training_phase(s: _Sizing) -> float:
     """The activations of one micro-batch and the log-prob chunk; returns their GiB."""
     m, t, shape, db = s.cfg.model, s.cfg.train, s.shape, s.db
     T, mb = m.max_seq_length, t.micro_batch_size
-    one_layer = mb * T * (10 * shape.hidden + 4 * shape.intermediate) * db  # q,k,v,o, norms, residuals, MLP
+    one_layer = mb * T * layer_activation_bytes(shape, db, T, s.cuda)
     dequant = shape.hidden * shape.intermediate * db if m.load_in_4bit else 0  # one dequantised weight at a time
     if m.gradient_checkpointing:
         act = mb * T * shape.hidden * shape.layers * db + one_layer + dequant
@@ -185,10 +198,28 @@ def training_phase(s: _Sizing) -> float:
     if t.kl_coef > 0:
         s.notes.append("kl_coef > 0 adds one no-grad reference forward per micro-batch (small: not counted)")
     s.parts[f"activations ({how}, micro-batch {mb} x {T} tokens)"] = act / GIB
+    heap = 0.0
+    if not s.cuda:
+        heap = CPU_HEAP_FACTOR * act / GIB
+        s.parts[f"freed buffers the CPU heap keeps during the update ({CPU_HEAP_FACTOR:g} x activations)"] = heap
     chunk = min(t.logprob_chunk_size, mb * min(T, s.cfg.generation.max_new_tokens))  # completion tokens only
     logprob = chunk * shape.vocab * 4 * 3 / GIB
     s.parts[f"log-prob chunk ({chunk} tokens x vocab {shape.vocab}, fp32 x3)"] = logprob
-    return act / GIB + logprob
+    return act / GIB + heap + logprob
+
+
+def layer_activation_bytes(shape: ModelShape, db: int, T: int, cuda: bool) -> float:
+    """The bytes one layer saves for the backward per token of a T-token sequence, without checkpointing: q, k, v,
+    o, norms, residuals and MLP in the compute dtype; on the CPU also what its attention kernel keeps, and over a
+    16-bit base peft's fp32 copies of the adapted linears' inputs (tests/test_plan.py measures these against
+    autograd's saved tensors)."""
+    n = (10 * shape.hidden + 4 * shape.intermediate) * db
+    if cuda:
+        return n  # flash / memory-efficient attention: nothing per key
+    if db == 4:
+        return n + shape.heads * T  # scaled_dot_product_attention: the padding mask, one bool per head and key
+    # transformers' eager attention (model.loading.training_attention): the fp32 softmax and its 16-bit copy
+    return n + (6 * shape.hidden + shape.intermediate) * 4 + shape.heads * T * 6
 
 
 def kv_cache_phase(s: _Sizing, weights: float) -> tuple[float, bool]:
@@ -420,7 +451,8 @@ def format_plan(name: str, cfg: Config, plan: Plan, card: float | None, card_sou
 
 
 PLAN_FOOTER = ("Estimates come from the model shape and the config (see basis_lite/plan.py); they are NOT YET CHECKED "
-               "against a measured GPU peak (no GPU was available). bench/gpu_step.py measures one on a GPU.")
+               "against a measured GPU peak (no GPU was available). bench/gpu_step.py measures one on a GPU. CPU estimates sit "
+               "0-40% above the whole-job peaks measured in bench/results/scaling-wordproblems/.")
 
 
 def plan_for(preset: str | None = None, overrides: Sequence[str] = (), gpu_memory: float | None = None,

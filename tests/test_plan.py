@@ -235,3 +235,60 @@ def test_fast_cpu_weight_copies_match_the_decoder(dtype):
     for off in (["generation.fast_cpu=off"], ["model.load_in_4bit=true"]):  # generate(): no copies
         other = build_plan(load_config("smoke", ["device=cpu", *off]))
         assert not any("weight copies" in k for k in other.parts) and other.engine.startswith("hf (")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_activation_estimate_matches_autograds_saved_tensors(dtype):
+    """The plan's per-layer activation bytes on the CPU (plan.layer_activation_bytes, without checkpointing) against
+    the unique storages autograd really keeps for the backward of one padded micro-batch of the tiny model through
+    the trainer's log-prob pass: sdpa's per-head mask in fp32; eager attention's softmax and peft's fp32 input
+    copies over a bf16 base (about twice the plain 16-bit count, which this estimate once was)."""
+    from basis_lite.losses.policy import sequence_logprobs
+    from basis_lite.model.loading import load_policy, training_attention
+    from basis_lite.plan import layer_activation_bytes
+
+    cfg = load_config("smoke", ["device=cpu", f"model.dtype={str(dtype)[6:]}", "model.gradient_checkpointing=false"])
+    model, _ = load_policy(cfg, torch.device("cpu"), dtype)
+    model.train()
+    shape, _ = model_shape(cfg.model.name)
+    b, T = 4, 192
+    torch.manual_seed(0)
+    ids = torch.randint(5, shape.vocab, (b, T))
+    attention = torch.ones(b, T, dtype=torch.long)
+    attention[1, :T // 4] = 0  # a padded row: the kernels then see a mask
+    completion = torch.zeros(b, T, dtype=torch.long)
+    completion[:, T // 2:] = 1
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with training_attention(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sequence_logprobs(model, ids, attention, completion, chunk_size=128)
+    measured = sum(saved.values())
+    estimate = shape.layers * b * T * layer_activation_bytes(shape, dtype.itemsize, T, cuda=False)
+    assert 0.85 * measured <= estimate <= 1.3 * measured, (estimate, measured)
+
+
+def test_cpu_plan_bounds_the_measured_whole_job_peaks():
+    """`basis-lite plan` on the CPU against the whole-job peak RSS bench/cost_scaling.py measured for basis-lite at
+    each committed point (budget 48-256 tokens, 16-64 rollouts, SmolLM2-135M and -360M shapes): never below it, and
+    at most 45 % above (every micro-batch is sized at model.max_seq_length; real prompts are shorter)."""
+    import json
+    from pathlib import Path
+
+    from basis_lite.model.shape import KNOWN_SHAPES
+
+    points = sorted((Path(__file__).resolve().parent.parent / "bench/results/scaling-wordproblems/points").glob("*.json"))
+    assert len(points) >= 7
+    for f in points:
+        rec = json.loads(f.read_text())
+        overrides = [o for o in rec["overrides"] if not o.startswith(("model.name=shapes:", "reward.functions="))]
+        shape = KNOWN_SHAPES[rec["model"].split(":")[1]] if rec["model"].startswith("shapes:") else None
+        plan = build_plan(load_config(rec["preset"], overrides), shape=shape, shape_source="test")
+        measured = rec["arms"]["basis"]["peak_rss_mb"] / 1024
+        assert measured <= plan.total <= 1.45 * measured, (f.name, plan.total, measured)
