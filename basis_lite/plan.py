@@ -54,8 +54,8 @@ from .rl.optimizers import OPTIMIZERS, resolve_optimizer
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5
-# the resident set of the interpreter after importing torch, transformers, peft and math-verify, before any model:
-# bench/cpu_step.py's "process baseline" (447 MiB with torch 2.13 on the AVX2 machine of bench/results/cpu_step/)
+# the resident set of the interpreter after importing torch, transformers, peft and math-verify, before any model
+# (bench/cpu_step.py's "process baseline", bench/results/cpu_step/)
 CPU_RUNTIME_GIB = 0.44
 # glibc keeps the update's freed buffers in the heap for reuse, so a CPU update peaks above its live tensors: this
 # share of the activation estimate, fitted to the whole-job peaks of bench/results/scaling-wordproblems/ (default
@@ -451,8 +451,8 @@ def format_plan(name: str, cfg: Config, plan: Plan, card: float | None, card_sou
 
 
 PLAN_FOOTER = ("Estimates come from the model shape and the config (see basis_lite/plan.py); they are NOT YET CHECKED "
-               "against a measured GPU peak (no GPU was available). bench/gpu_step.py measures one on a GPU. CPU estimates sit "
-               "0-40% above the whole-job peaks measured in bench/results/scaling-wordproblems/.")
+               "against a measured GPU peak (no GPU was available). bench/gpu_step.py measures one on a GPU. On the CPU a test "
+               "keeps them between 1x and 1.45x the whole-job peaks measured in bench/results/scaling-wordproblems/.")
 
 
 def plan_for(preset: str | None = None, overrides: Sequence[str] = (), gpu_memory: float | None = None,
