@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from basis_lite.config import DEFAULT_PRESET, ConfigError, load_config  # noqa: E402
+from basis_lite.model.shape import KNOWN_SHAPES  # noqa: E402
 from bench.lib.curves import read_run  # noqa: E402
 from bench.lib.paths import RESULTS, shown  # noqa: E402
 from bench.lib.provenance import flags_line, loadavg, machine_record  # noqa: E402
@@ -66,10 +67,13 @@ QUICK = {"preset": "smoke", "models": ["builtin:tiny-random"], "tokens": [8, 12]
 # shapes and the tokens, not on the weights; random weights almost never sample the stop token, so every completion
 # runs to the budget. They earn no reward, so their points add SHAPES_REWARD (deterministic, varied): without it
 # every advantage would be 0 and no update would run.
-SHAPES = {"smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                           "num_attention_heads": 9, "num_key_value_heads": 3},
-          "smollm2-360m": {"hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32,
-                           "num_attention_heads": 15, "num_key_value_heads": 5}}
+# The sizes are the plan's table of published shapes (basis_lite.model.shape.KNOWN_SHAPES), as config.json keys.
+def _config_sizes(s) -> dict:
+    return {"hidden_size": s.hidden, "intermediate_size": s.intermediate, "num_hidden_layers": s.layers,
+            "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads}
+
+
+SHAPES = {k: _config_sizes(KNOWN_SHAPES[k]) for k in ("smollm2-135m", "smollm2-360m")}
 
 
 class ScalingError(Exception):
