@@ -149,12 +149,20 @@ from bench.lib.recorders import (  # noqa: E402
     RssSampler,
     patched,
     peak_rss_mb,
-    release_memory,
     rss_mb,
     timer,
 )
 from bench.lib.report import fmt, text_table, write_json  # noqa: E402
 from bench.lib.steps import make_run_state  # noqa: E402
+
+
+def release_memory() -> None:
+    """basis_lite's malloc_trim between parts, imported when called: torch must not load before main() has set the
+    OpenMP environment."""
+    from basis_lite.model.loading import release_memory as release
+
+    release()
+
 
 # what each --engine name sets: the fast CPU rollout path (the default on a CPU), transformers' generate(), vLLM
 ENGINE_SETTINGS = {"fast": ("generation.engine=hf", "generation.fast_cpu=auto"),

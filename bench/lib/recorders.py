@@ -3,7 +3,6 @@ forwards of a causal LM inside generate(), and the phases of the fast CPU engine
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import resource
 import threading
@@ -64,15 +63,6 @@ class RssSampler:
     def close(self):
         self._stop.set()
         self._thread.join()
-
-
-def release_memory() -> None:
-    """Hand freed heap memory back to the OS so the next part's RSS peak is its own (glibc only)."""
-    import gc
-
-    gc.collect()
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @contextlib.contextmanager
