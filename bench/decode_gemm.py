@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         print(f"{name}: {out_f}x{in_f}, {copies} copies ...", flush=True)
         results[name] = measure_shape(torch, out_f, in_f, copies, args.rows, args.repeats)
     per, forward = analyse(groups, results, peak["best"]["float32"], bw["read_gbs"])
-    result = {"command": "python bench/decode_gemm.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": " ".join(["python bench/decode_gemm.py", *(argv if argv is not None else sys.argv[1:])]),
               "model": shape.name, "layers": shape.layers, "threads": torch.get_num_threads(),
               "reference": {"peak_gflops": peak["best"]["float32"], "read_gbs": bw["read_gbs"], "peak": peak,
                             "bandwidth": bw},
