@@ -102,12 +102,12 @@ def analyse(groups: dict, results: dict, peak_gflops: float, read_gbs: float) ->
         for rec in results[name]:
             rows = rec["rows"]
             flops = matmul_flops(rows, in_f, out_f)
-            bound = max(flops / (peak_gflops * 1e9), 4 * out_f * in_f / (read_gbs * 1e9))
+            flop_s, byte_s = flops / (peak_gflops * 1e9), 4 * out_f * in_f / (read_gbs * 1e9)
+            bound = max(flop_s, byte_s)
             best = min(KERNELS, key=lambda kn: rec["seconds"][kn])
             per.append({"group": name, "out": out_f, "in": in_f, "rows": rows, "best": best,
-                        "best_s": rec["seconds"][best], "bound_s": bound,
-                        "flop_bound_s": flops / (peak_gflops * 1e9),
-                        "byte_bound_s": 4 * out_f * in_f / (read_gbs * 1e9),
+                        "best_s": rec["seconds"][best], "bound_s": bound, "flop_bound_s": flop_s,
+                        "byte_bound_s": byte_s,
                         **{f"{kn}_s": rec["seconds"][kn] for kn in KERNELS},
                         **{f"{kn}_gflops": flops / rec["seconds"][kn] / 1e9 for kn in KERNELS}})
             f = forward.setdefault(rows, {"rows": rows, "bound_s": 0.0, "best_s": 0.0,

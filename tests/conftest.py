@@ -44,6 +44,19 @@ STEP_FIELDS = ("step", "reward_mean", "accuracy", "baseline_mean", "advantage_st
                "tokens_per_s", "peak_memory_mb")
 
 
+def bench_module(file: str, name: str | None = None):
+    """bench/<file> imported as a module (default name bench_<stem>), registered in sys.modules so that its
+    dataclasses resolve; a second name gives a fresh copy beside the first."""
+    import importlib.util
+
+    name = name or f"bench_{Path(file).stem}"
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / file)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def sets(overrides) -> list[str]:
     out = []
     for o in overrides:

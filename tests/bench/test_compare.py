@@ -8,7 +8,6 @@ rules, the arms interleaved and rotated, and an interrupted comparison continuin
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import math
 import subprocess
@@ -16,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, VARIED, sets, subprocess_env
+from conftest import REPO, VARIED, bench_module, sets, subprocess_env
 
 from basis_lite.config import ConfigError
 from basis_lite.estimators import estimator_names
@@ -34,11 +33,7 @@ FIELDS = ("arm", "seed", "commit", "dirty", "cpu_flags", "cpu_model", "torch", "
 
 @pytest.fixture(scope="module")
 def cmp():
-    spec = importlib.util.spec_from_file_location("bench_compare", SCRIPT)
-    m = importlib.util.module_from_spec(spec)
-    sys.modules["bench_compare"] = m
-    spec.loader.exec_module(m)
-    return m
+    return bench_module("compare.py")
 
 
 def _args(folder: Path, work: Path, arms=ARMS, seeds=SEEDS, steps: int = 2) -> list[str]:

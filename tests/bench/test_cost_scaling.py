@@ -1,23 +1,16 @@
 """bench/cost_scaling.py's points and tables on hand-made numbers: no model, no trl, nothing trained."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import bench_module
 
 
 @pytest.fixture(scope="module")
 def cs():
-    spec = importlib.util.spec_from_file_location("bench_cost_scaling", ROOT / "bench" / "cost_scaling.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_cost_scaling"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("cost_scaling.py")
 
 
 def test_points_walk_one_axis_at_a_time_around_the_base(cs):

@@ -3,22 +3,15 @@ the variants and engines it measures, the kernel caps, the gap to the roofline. 
 bench/lib's (tests/bench/test_lib.py). No timing is asserted."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
-from conftest import REPO
+from conftest import REPO, bench_module
 
 SCRIPT = REPO / "bench" / "cpu_step.py"
 
 
 @pytest.fixture(scope="module")
 def cs():
-    spec = importlib.util.spec_from_file_location("bench_cpu_step", SCRIPT)
-    m = importlib.util.module_from_spec(spec)
-    sys.modules["bench_cpu_step"] = m
-    spec.loader.exec_module(m)
-    return m
+    return bench_module("cpu_step.py")
 
 
 @pytest.fixture(scope="module")

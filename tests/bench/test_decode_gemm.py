@@ -2,26 +2,17 @@
 and its per-forward sums follow from the per-product times (hand-made numbers; nothing is timed here)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import bench_module
 
 from basis_lite.config import load_config
 from basis_lite.model.shape import KNOWN_SHAPES, model_shape
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def dg():
-    spec = importlib.util.spec_from_file_location("bench_decode_gemm", ROOT / "bench" / "decode_gemm.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_decode_gemm"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("decode_gemm.py")
 
 
 def test_fused_shapes_are_the_fast_engines_groups(dg):

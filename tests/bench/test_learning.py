@@ -6,7 +6,6 @@ arms, and (on hand-made run folders, no training) that the prior pass is added t
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, REPO, sets, subprocess_env
+from conftest import FAST, REPO, bench_module, sets, subprocess_env
 
 SCRIPT = REPO / "bench" / "learning.py"
 STEPS, EVAL_EVERY = 2, 1
@@ -46,11 +45,7 @@ def bench(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mod():
-    spec = importlib.util.spec_from_file_location("bench_learning", SCRIPT)
-    m = importlib.util.module_from_spec(spec)
-    sys.modules["bench_learning"] = m
-    spec.loader.exec_module(m)
-    return m
+    return bench_module("learning.py")
 
 
 def test_eval_points_and_clock(bench):

@@ -7,31 +7,21 @@ into summary.json by compare.summarize and kept by compare.keep_run.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
-
-
-def _module(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / file)
-    m = importlib.util.module_from_spec(spec)
-    sys.modules[name] = m
-    spec.loader.exec_module(m)
-    return m
+from conftest import REPO, bench_module
 
 
 @pytest.fixture(scope="module")
 def rp():
-    return _module("bench_report", "report.py")
+    return bench_module("report.py")
 
 
 @pytest.fixture(scope="module")
 def cmp():
-    return _module("bench_compare_for_report", "compare.py")
+    return bench_module("compare.py", "bench_compare_for_report")
 
 
 BASIS = [0.60, 0.62, 0.58, 0.64, 0.61]

@@ -2,20 +2,13 @@
 report table."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import bench_module
 
 
 @pytest.fixture(scope="module")
 def sc():
-    spec = importlib.util.spec_from_file_location("bench_scaling", ROOT / "bench" / "scaling.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("scaling.py")
 
 
 def test_launch_command_is_torchrun_of_the_train_command(sc, tmp_path):

@@ -2,22 +2,12 @@
 the smoke preset: their bookkeeping (not the numbers a real run gives)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, VARIED, sets, step_records, train_smoke
-
-
-def _module(name, file):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / file)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
+from conftest import VARIED, bench_module, sets, step_records, train_smoke
 
 # generate() in both runs: the recorded run samples with trajectory features, which the fast CPU path leaves to it
 OVERRIDES = VARIED + ["train.steps=3", "train.batch_size=4", "generation.fast_cpu=off"]
@@ -27,7 +17,7 @@ OVERRIDES = VARIED + ["train.steps=3", "train.batch_size=4", "generation.fast_cp
 def recording(tmp_path_factory):
     d = tmp_path_factory.mktemp("traj")
     out = d / "trajectories_smoke.npz"
-    rt = _module("bench_record_trajectories", "record_trajectories.py")
+    rt = bench_module("record_trajectories.py")
     assert rt.main(["--preset", "smoke", "--record-steps", "2", "3", "--probe-prompts", "6", "--samples", "4",
                     "--out", str(out), "--runs", str(d / "rec"), *sets(OVERRIDES)]) == 0
     return d, out
@@ -60,8 +50,8 @@ def test_probe_prompts_have_the_training_mix_of_problem_kinds():
     from basis_lite.config import load_config
     from basis_lite.data import load_examples
 
-    rt = _module("bench_record_trajectories_pick", "record_trajectories.py")
-    vt = _module("bench_value_mse_trajectories_mix", "value_mse_trajectories.py")
+    rt = bench_module("record_trajectories.py", "bench_record_trajectories_pick")
+    vt = bench_module("value_mse_trajectories.py", "bench_value_mse_trajectories_mix")
     cfg = load_config("cpu-smollm2-arith-add2", [])  # the mix the recordings in bench/results were made on
     train = load_examples(cfg.data, "train")
     split = vt.kind_mix([ex.id for ex in train])["add2"]
@@ -79,7 +69,7 @@ def test_probe_prompts_have_the_training_mix_of_problem_kinds():
 
 def test_value_mse_on_trajectories(recording):
     d, out = recording
-    vm = _module("bench_value_mse_t", "value_mse.py")
+    vm = bench_module("value_mse.py", "bench_value_mse_t")
     prefix = d / "vmt"
     assert vm.main(["--trajectories", str(out), "--batch-sizes", "3", "6", "--resamples", "2", "--min-rows", "4",
                     "--out", str(prefix), "--no-plot"]) == 0
@@ -102,7 +92,7 @@ def test_value_mse_on_trajectories(recording):
 
 def test_value_mse_on_trajectories_of_some_problem_kinds(recording):
     d, out = recording
-    vm = _module("bench_value_mse_k", "value_mse.py")
+    vm = bench_module("value_mse.py", "bench_value_mse_k")
     vt = sys.modules["bench.value_mse_trajectories"]
     with np.load(out) as z:
         ids = json.loads(str(z["meta"]))["probe_ids"]
@@ -122,7 +112,7 @@ def test_value_mse_on_trajectories_of_some_problem_kinds(recording):
 
 
 def test_learning_arms_for_the_probe_estimators():
-    lm = _module("bench_learning_arms", "learning.py")
+    lm = bench_module("learning.py", "bench_learning_arms")
     assert lm.arm_overrides("poise", 32, 4)[-1] == "train.batch_size=16"
     assert lm.arm_overrides("rloo2", 32, 4)[:2] == ["estimator.name=rloo", "estimator.rollouts_per_prompt=2"]
     assert lm.arm_overrides("poise_wide", 32, 4)[-1] == "train.batch_size=32"

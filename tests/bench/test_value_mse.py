@@ -1,24 +1,16 @@
 """The value-MSE benchmark's analysis on a tiny synthetic recording (no model): fast, and checks its bookkeeping."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import bench_module
 
 
 @pytest.fixture(scope="module")
 def vm():
-    spec = importlib.util.spec_from_file_location("bench_value_mse", ROOT / "bench" / "value_mse.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_value_mse"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("value_mse.py")
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +113,7 @@ def test_unfinished_policy_left_out(vm, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def rr():
-    spec = importlib.util.spec_from_file_location("bench_record_rollouts", ROOT / "bench" / "record_rollouts.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("record_rollouts.py")
 
 
 def test_record_unique_ids(rr):

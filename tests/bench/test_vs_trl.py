@@ -4,23 +4,18 @@ No model, no trl: the arms' results are written by hand and run through the same
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def vs():
-    spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "bench" / "vs_trl.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_vs_trl"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("vs_trl.py")
 
 
 def _points(pairs, n=150):
