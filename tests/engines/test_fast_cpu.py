@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import trainer_logprobs
+from conftest import bench_module, trainer_logprobs
 
 from basis_lite.config import load_config
 from basis_lite.engines.base import SamplingParams
@@ -252,14 +252,9 @@ def test_config_key_generation_fast_cpu(policy):
 def test_bench_generation_runs_both_paths_on_the_tiny_model(tmp_path):
     """bench/generation.py end to end on the smoke preset: both engines measured in one run, the tables written
     (no timing asserted)."""
-    import importlib.util
     import json
 
-    from conftest import REPO
-
-    spec = importlib.util.spec_from_file_location("bench_generation", REPO / "bench" / "generation.py")
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
+    m = bench_module("generation.py")
     assert m.main(["--preset", "smoke", "--dtypes", "float32", "--repeats", "1", "--step", "--out",
                    str(tmp_path)]) == 0
     res = json.loads((tmp_path / "generation.json").read_text())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import bench_module
 
 from basis_lite.config import load_config
 from basis_lite.engines.base import SamplingParams
@@ -567,9 +567,7 @@ def test_unsloth_backend_errors_name_the_fix(monkeypatch):
 
 
 def test_gpu_step_bench_dry_run(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("gpu_step", REPO / "bench" / "gpu_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = bench_module("gpu_step.py")
     assert mod.main(["--dry-run", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "gpu_step_dryrun.json").read_text())["results"][0]
     assert res["generation_s"] > 0 and res["training_s"] > 0 and res["mean_completion_tokens"] == 8
