@@ -24,7 +24,8 @@ a small built-in table of known models: nothing is downloaded) and the config:
                         also keeps its attention kernel's per-key tensors and, over a 16-bit base, peft's fp32
                         input copies (layer_activation_bytes), and the heap keeps freed buffers around them
                         (CPU_HEAP_FACTOR x the activations, fitted to measured whole-job peaks)
-    log-prob chunk      logprob_chunk_size x vocab x 4 B x 3 (fp32 logits, log-softmax, their gradient)
+    log-prob chunk      logprob_chunk_size x vocab x LOGPROB_BYTES_PER_LOGIT (fp32 logits and softmax; the frozen
+                        head's gradient is found in the forward: bench/logprob_memory.py measures the factor)
     generation          by the memory model of the engine the run builds (EngineSpec.memory, engines/__init__.py):
                         kv_cache (hf): the KV cache of one generate() batch, 2 x layers x kv_heads x head_dim x bytes
                         x sequences x seq, plus the fast CPU path's weight copies (fast_cpu); gpu_share (vLLM): its
@@ -38,7 +39,8 @@ With `--gpus N` (data-parallel, `torchrun --nproc_per_node N`) every card holds 
 optimizer state and generates its share train.batch_size / N of the global batch; it adds a flat fp32 copy of the
 LoRA gradients (the all-reduce buffer) and NCCL's communicator buffers.
 
-NOT YET CHECKED AGAINST A MEASURED GPU PEAK: no GPU was available when this was written; the output says so.
+CHECKED AGAINST ONE MEASURED GPU PEAK ONLY (bench/results/gpu_step: an H200, the hf backend and engine, a
+Qwen2.5-1.5B-shaped model); the vLLM engine's share has never been measured on a GPU. The output says so.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ CPU_RUNTIME_GIB = 0.44
 # share of the activation estimate, fitted to the whole-job peaks of bench/results/scaling-wordproblems/ (default
 # job, 128 and 256 new tokens, 16-64 rollouts, 135M and 360M shapes)
 CPU_HEAP_FACTOR = 0.5
+LOGPROB_BYTES_PER_LOGIT = 9  # one log-prob chunk's forward + backward per logit, rounded up (bench/results/logprob_memory)
 VLLM_BUFFERS_GIB = 0.4  # vLLM's own activations / sampler / CUDA-graph pool when the card size is unknown
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax per 64 + fp32 absmax per 256 blocks
 NCCL_BUFFERS_GIB = 0.25  # NCCL's communicator buffers per card with several GPUs (rough: depends on NCCL_BUFFSIZE)
@@ -203,8 +206,8 @@ def training_phase(s: _Sizing) -> float:
         heap = CPU_HEAP_FACTOR * act / GIB
         s.parts[f"freed buffers the CPU heap keeps during the update ({CPU_HEAP_FACTOR:g} x activations)"] = heap
     chunk = min(t.logprob_chunk_size, mb * min(T, s.cfg.generation.max_new_tokens))  # completion tokens only
-    logprob = chunk * shape.vocab * 4 * 3 / GIB
-    s.parts[f"log-prob chunk ({chunk} tokens x vocab {shape.vocab}, fp32 x3)"] = logprob
+    logprob = chunk * shape.vocab * LOGPROB_BYTES_PER_LOGIT / GIB
+    s.parts[f"log-prob chunk ({chunk} tokens x vocab {shape.vocab} x {LOGPROB_BYTES_PER_LOGIT} B)"] = logprob
     return act / GIB + heap + logprob
 
 
@@ -319,9 +322,10 @@ def general_notes(s: _Sizing, backend: str) -> None:
     if s.gpus > 1 and s.cuda:
         s.notes.append(f"{s.gpus} GPUs: per-card figures; the nccl path has not run on real GPUs yet (the gloo path "
                        "is tested on CPUs), and Unsloth's in-process vLLM under torchrun is unverified")
-    if backend == "unsloth" and s.cuda and cfg.model.gradient_checkpointing:
-        s.notes.append("Unsloth's gradient checkpointing offloads the saved activations to CPU RAM: the activation "
-                       "line is an upper bound there")
+    if backend == "unsloth" and s.cuda:
+        s.notes.append("backend unsloth: Unsloth's own buffers are not in this estimate, and on the one GPU "
+                       "measured (bench/results/gpu_step: Qwen2.5-1.5B shape, 64 x 256 tokens, H200) the job peaked "
+                       "at about twice what the hf backend did: leave headroom")
     if cfg.model.backend == "auto" and s.cuda:
         fallback = select_engine(cfg, "hf", "cuda")
         s.notes.append("backend auto: assumed unsloth is installed on the GPU machine (else hf"
@@ -450,9 +454,11 @@ def format_plan(name: str, cfg: Config, plan: Plan, card: float | None, card_sou
     return "\n".join(lines)
 
 
-PLAN_FOOTER = ("Estimates come from the model shape and the config (see basis_lite/plan.py); they are NOT YET CHECKED "
-               "against a measured GPU peak (no GPU was available). bench/gpu_step.py measures one on a GPU. On the CPU a test "
-               "keeps them between 1x and 1.45x the whole-job peaks measured in bench/results/scaling-wordproblems/.")
+PLAN_FOOTER = ("Estimates come from the model shape and the config (see basis_lite/plan.py). On a GPU they are checked "
+               "against ONE measured run only (bench/results/gpu_step: an H200, hf backend and engine, Qwen2.5-1.5B "
+               "shape); the vLLM engine's share is NOT YET CHECKED on a GPU. bench/gpu_step.py measures more. On the "
+               "CPU a test keeps them between 1x and 1.45x the whole-job peaks measured in "
+               "bench/results/scaling-wordproblems/.")
 
 
 def plan_for(preset: str | None = None, overrides: Sequence[str] = (), gpu_memory: float | None = None,

@@ -61,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="steps per variant; the first is a warm-up (default 3)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--model-dir", default=None, help="reuse a saved random-init model folder")
+    ap.add_argument("--variant-timeout", type=float, default=240,
+                    help="seconds before one variant's process is stopped and recorded as timed out (default 240)")
     ap.add_argument("--out", default=None, help="folder for gpu_step.json (also written to bench/results/gpu_step/)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: run the basis-hf path on builtin:tiny-random (4 prompts x 8 tokens), no 4-bit")
@@ -178,32 +180,45 @@ def run_basis(args, model_dir: str, backend: str, engine_name: str, dry: bool = 
     prompts = make_prompts(tok, args.completions)
     params = params_from_config(cfg.generation, n=1)
     gen, train, lens = [], [], []
-    for step in range(args.steps):
-        if device.type == "cuda":
+    cuda = device.type == "cuda"
+    phase_peak = {"load": 0.0, "generation": 0.0, "training": 0.0}  # GiB allocated, the most seen in each phase
+    overall = {"peak_allocated_gib": 0.0, "peak_reserved_gib": 0.0}
+
+    def phase_end(name):  # note the phase's peak, then start a fresh count for the next phase
+        if cuda:
             torch.cuda.synchronize()
+            phase_peak[name] = max(phase_peak[name], torch.cuda.max_memory_allocated() / 2**30)
+            overall["peak_allocated_gib"] = max(overall["peak_allocated_gib"], phase_peak[name])
+            overall["peak_reserved_gib"] = max(overall["peak_reserved_gib"], torch.cuda.max_memory_reserved() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+
+    phase_end("load")
+    for step in range(args.steps):
         t0 = time.time()
         engine.sync(model)
         rollouts = engine.generate(prompts, params, with_features=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        phase_end("generation")
         t1 = time.time()
         adv = (torch.randint(0, 2, (len(rollouts),)) * 2 - 1).float()
         stats, ok = policy_update(cfg, model, optimizer, rollouts, adv, tok.pad_token_id, device, step)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        phase_end("training")
         t2 = time.time()
         gen.append(t1 - t0)
         train.append(t2 - t1)
         lens.append(sum(len(r.completion_ids) for r in rollouts) / len(rollouts))
         print(f"  [{args.variant or 'dry-run'}] step {step}: generate {gen[-1]:.1f}s, train {train[-1]:.1f}s, "
               f"mean completion {lens[-1]:.0f} tokens, loss {stats['loss']:.4f}, ok={ok}", flush=True)
+    if cuda:
+        print(f"  [{args.variant}] peak allocated GiB by phase: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in phase_peak.items()), flush=True)
     measured = slice(1, None) if args.steps > 1 else slice(0, None)
     est = estimate_memory(cfg)
     return {"variant": args.variant or f"basis-{backend}", "load_s": load_s,
             "generation_s": sum(gen[measured]) / len(gen[measured]),
             "training_s": sum(train[measured]) / len(train[measured]), "mean_completion_tokens": lens[-1],
             "completions": len(prompts), "engine": type(engine).__name__, "plan_estimate_gib": est["total"],
-            "plan_parts_gib": est, **cuda_peak()}
+            "plan_parts_gib": est, **cuda_peak(),
+            **({**overall, "phase_peak_allocated_gib": phase_peak} if cuda else {})}
 
 
 def run_trl(args, model_dir: str) -> dict:
@@ -374,6 +389,9 @@ def main(argv=None) -> int:
     build_random_model(model_dir, args.dtype)
     print(f"random-init Qwen2.5-1.5B-shaped model in {model_dir} ({time.time() - t0:.0f}s)", flush=True)
     rows = []
+    meta = {"workload": f"{args.completions} completions x {args.new_tokens} forced tokens, random-init "
+                        f"Qwen2.5-1.5B shape, 4-bit NF4, LoRA r=16 all-linear, {args.dtype}",
+            "steps": args.steps, "measured": "mean of the steps after the first", **environment()}
     for v in [x.strip() for x in args.variants.split(",") if x.strip()]:
         why = skip_reason(v)
         if why:
@@ -388,18 +406,19 @@ def main(argv=None) -> int:
                "--steps", str(args.steps), "--dtype", args.dtype]
         print(f"{v}: running", flush=True)
         t0 = time.time()
-        proc = subprocess.run(cmd, cwd=REPO)
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, timeout=args.variant_timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timed out after {args.variant_timeout:.0f}s"
         try:
             row = json.loads(Path(out_json).read_text())
         except (OSError, json.JSONDecodeError):
-            row = {"variant": v, "error": f"child exited {proc.returncode} without a result"}
+            row = {"variant": v, "error": f"child exited {rc} without a result"}
         row["wall_s"] = time.time() - t0
         rows.append(row)
+        write_results(rows, args, meta)  # after every variant: a later hang or kill keeps what was measured
     print()
     print(table(rows))
-    meta = {"workload": f"{args.completions} completions x {args.new_tokens} forced tokens, random-init "
-                        f"Qwen2.5-1.5B shape, 4-bit NF4, LoRA r=16 all-linear, {args.dtype}",
-            "steps": args.steps, "measured": "mean of the steps after the first", **environment()}
     for p in write_results(rows, args, meta):
         print(f"wrote {p}")
     return 0

@@ -64,12 +64,14 @@ _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps a wild (masked-in) log-ratio from 
 # ----------------------------------------------------------------------------------------------------------------
 
 class _FrozenHeadLogprobs(torch.autograd.Function):
-    """log softmax(h @ W.T / T)[tgt] for a frozen float32 head W, with d lp / d h found in the forward:
+    """log softmax(h @ W.T / T)[tgt] for a frozen head W (float32 or 16-bit), with d lp / d h found in the forward:
 
         d lp_i / d h_i = (W[tgt_i] - softmax(z_i) @ W) / T
 
     so the backward is one multiply and the logits are never recomputed: two [n, V] matmuls per chunk where the
-    checkpointed path runs three (forward, recomputation, gradient)."""
+    checkpointed path runs three (forward, recomputation, gradient). The logits are float32; the softmax is made in
+    place of their shifted copy and, over a 16-bit head, cast to the head's dtype for the product with W (as
+    autograd casts the logits' gradient), so a chunk holds about two float32 [n, V] tensors at a time."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, tgt, temperature: float, want_entropy: bool):
@@ -78,10 +80,15 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
             z = z / temperature
         lse = torch.logsumexp(z, dim=-1)
         lp = z.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
-        p = torch.exp(z - lse.unsqueeze(-1))
+        p = (z - lse.unsqueeze(-1)).exp_()
         ent = lse - (p * z).sum(-1) if want_entropy else lp.new_empty(0)
         del z
-        g = weight.index_select(0, tgt) - p @ weight
+        if weight.dtype == torch.float32:
+            g = weight.index_select(0, tgt) - p @ weight
+        else:
+            p = p.to(weight.dtype)
+            g = weight.index_select(0, tgt).float() - (p @ weight).float()
+        del p
         if temperature != 1.0:
             g = g / temperature
         ctx.save_for_backward(g)
@@ -94,9 +101,11 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
         return (grad_lp.unsqueeze(-1) * g).to(ctx.h_dtype), None, None, None, None, None
 
 
-def _frozen_float32_head(lm_head: nn.Module) -> bool:
-    """True when the head is a plain float32 Linear without trainable parameters: the analytic-gradient path."""
-    return (isinstance(lm_head, nn.Linear) and lm_head.weight.dtype == torch.float32
+def _frozen_head(lm_head: nn.Module) -> bool:
+    """True when the head is a plain float Linear (float32, bfloat16 or float16) without trainable parameters: the
+    analytic-gradient path."""
+    return (isinstance(lm_head, nn.Linear)
+            and lm_head.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and not any(p.requires_grad for p in lm_head.parameters()))
 
 
@@ -131,7 +140,7 @@ def chunked_token_logprobs(hidden: Tensor, lm_head: nn.Module, targets: Tensor, 
 
     Only positions where `mask` is true are computed; the others are exactly 0. The selected rows of `hidden` are
     processed `chunk_size` at a time (lm_head never sees more than `chunk_size` rows), logits are cast to float32
-    inside the chunk. When autograd is on and something needs a gradient: over a frozen float32 head (LoRA training)
+    inside the chunk. When autograd is on and something needs a gradient: over a frozen head (LoRA training)
     each chunk's d lp / d hidden is found in the forward (`_FrozenHeadLogprobs`, [n, H] kept, no recomputation);
     otherwise each chunk runs under `torch.utils.checkpoint(use_reentrant=False)`: the backward saves only the
     chunk's hidden rows and recomputes its logits. Either way peak memory is O(chunk_size * V). Differentiable w.r.t. `hidden` and
@@ -170,7 +179,7 @@ def chunked_token_logprobs(hidden: Tensor, lm_head: nn.Module, targets: Tensor, 
     t_sel = targets.reshape(-1).index_select(0, idx).long()
     want_entropy = [with_entropy]  # read at call time: False during backward recomputation
     lps, ents = [], []
-    analytic = needs_grad and _frozen_float32_head(lm_head)
+    analytic = needs_grad and _frozen_head(lm_head)
     for s in range(0, n, chunk_size):
         h_c, t_c = h_sel[s:s + chunk_size], t_sel[s:s + chunk_size]
         if analytic:

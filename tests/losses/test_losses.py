@@ -230,6 +230,38 @@ def test_frozen_head_gradient_found_in_the_forward_matches_autograd(bias, monkey
     assert not ent.requires_grad
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_frozen_16bit_head_takes_the_analytic_path_and_is_as_close_as_autograd(dtype, monkeypatch):
+    """A frozen bf16/fp16 head (a GPU model's tied embedding) takes the analytic path too. Against the float64
+    truth its log-probs and gradients are at least as close as those of the checkpointed autograd path it replaces
+    (which casts the logits' gradient to the head's dtype), and it never runs a checkpoint."""
+    import basis_lite.losses.policy as policy
+
+    torch.manual_seed(0)
+    head = nn.Linear(32, 300, bias=False).requires_grad_(False).to(dtype)
+    h16 = (torch.randn(3, 9, 32) * 0.5).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, 300, (3, 9))
+    mask = torch.rand(3, 9) > 0.2
+    weights = torch.randn(3, 9)
+    h64 = h16.detach().double().requires_grad_(True)
+    logp = torch.log_softmax(torch.nn.functional.linear(h64, head.weight.double()) / 0.7, -1)
+    ref_lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
+    (g_ref,) = torch.autograd.grad((ref_lp * weights.double()).sum(), h64)
+
+    def run(lm_head):
+        lp, _ = chunked_token_logprobs(h16, lm_head, targets, mask, chunk_size=4, temperature=0.7)
+        (g,) = torch.autograd.grad((lp * weights).sum(), h16)
+        return (lp.double() - ref_lp).abs().max().item(), (g.double() - g_ref).abs().max().item()
+
+    trainable = copy.deepcopy(head).requires_grad_(True)  # a trainable head is checkpointed: the old path
+    ckpt_lp_err, ckpt_g_err = run(trainable)
+    monkeypatch.setattr(policy, "checkpoint", lambda *a, **k: pytest.fail("the frozen 16-bit head was checkpointed"))
+    lp_err, g_err = run(head)
+    assert lp_err <= ckpt_lp_err * 1.01 + 1e-6 and lp_err < 1e-2
+    assert g_err <= ckpt_g_err * 1.01 + 1e-6 and g_err < 5e-2
+    assert g_ref.abs().max().item() > 0.1  # the gradient compared is not vanishing
+
+
 def test_peft_lora_model_and_disable_adapter(tiny_llama, batch):
     from peft import LoraConfig, get_peft_model
 

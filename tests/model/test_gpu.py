@@ -143,14 +143,31 @@ def test_hf_engine_cached_generate_equals_uncached_on_4bit():
         assert r.completion_ids == expected[:len(r.completion_ids)] and len(r.completion_ids) > 0
 
 
+def tiny_with_distinct_pad(folder):
+    """A copy of builtin:tiny-random whose pad token is its `~~` special token instead of its eos <|im_end|>.
+
+    Unsloth refuses a tokenizer whose pad equals its eos when the vocabulary holds no other pad-like token (it adds
+    one, finds no embedding row for it and raises); real checkpoints carry one (SmolLM2's <|endoftext|>), the tiny
+    byte-level tokenizer does not."""
+    import json
+    import shutil
+
+    from basis_lite.model.loading import TINY_MERGED, builtin_tiny_random_dir
+
+    shutil.copytree(builtin_tiny_random_dir(), folder)
+    path = folder / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "pad_token": TINY_MERGED}))
+    return folder
+
+
 @pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
-def test_unsloth_backend_one_rl_step_moves_the_adapter():
+def test_unsloth_backend_one_rl_step_moves_the_adapter(tmp_path):
     from basis_lite.engines.base import params_from_config
     from basis_lite.rl.update import make_optimizer, policy_update
     from basis_lite.runtime import build_policy, seed_everything
 
-    cfg = _cfg("model.backend=unsloth", "model.load_in_4bit=true", "model.fast_inference=false",
-               "generation.engine=hf", "train.lr=1e-2")
+    cfg = _cfg(f"model.name={tiny_with_distinct_pad(tmp_path / 'tiny')}", "model.backend=unsloth",
+               "model.load_in_4bit=true", "model.fast_inference=false", "generation.engine=hf", "train.lr=1e-2")
     seed_everything(0)
     model, tok, engine = build_policy(cfg, CUDA, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
     rollouts = engine.generate([PROMPT] * 4, params_from_config(cfg.generation), with_features=False)
