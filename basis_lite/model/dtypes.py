@@ -103,15 +103,15 @@ def cpu_bf16_flags() -> tuple[str, ...]:
 # and the default step's parts at a reduced batch, each weighted by how often the default step runs it.
 STEP_PROBE = {"hidden": 576, "intermediate": 1536, "layers": 30, "heads": 9, "kv_heads": 3, "vocab": 49152,
               "lora_r": 16, "prefill": (16, 48), "decode_steps": 4, "train": (4, 96), "completion": 48,
-              "weights": {"prefill": 2.0, "decode": 47 / 4 * 2.0, "train": 8.0}, "version": 1}
+              "weights": {"prefill": 2.0, "decode": 47 / 4 * 2.0, "train": 8.0}, "version": 2}
 
 
-def cpu_step_probe_ms(dtype: torch.dtype, probe: dict = STEP_PROBE) -> dict:
-    """Milliseconds of each part of a scaled-down training step in `dtype` (best of two after a warm-up), and
-    their weighted sum under "total": a prefill of [rows, tokens] prompts (one lm_head row each), `decode_steps`
-    single-token steps with the KV cache, and one LoRA micro-batch forward+backward through `sequence_logprobs`
-    (the trainer's chunked log-prob head) with the last `completion` positions scored. Random weights; the global
-    RNG is left as it was."""
+PROBE_ROUNDS = 3  # timed rounds per dtype, after one warm-up each; the two dtypes' rounds alternate
+
+
+def _step_probe(dtype: torch.dtype, probe: dict):
+    """A scaled-down training step in `dtype` (random weights, built with the global RNG forked): returns a
+    function that runs it once and gives its parts' seconds (prefill, decode, train) as a dict."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -141,37 +141,55 @@ def cpu_step_probe_ms(dtype: torch.dtype, probe: dict = STEP_PROBE) -> dict:
         comp = torch.zeros_like(ids)
         comp[:, t - probe["completion"]:] = 1
 
-        def generation() -> tuple[float, float]:
-            model.eval()
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                out = base(input_ids=prompt, use_cache=True, logits_to_keep=1)
-                t1 = time.perf_counter()
-                cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                for _ in range(probe["decode_steps"]):
-                    out = base(input_ids=nxt, past_key_values=cache, use_cache=True)
-                    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                t2 = time.perf_counter()
-            return t1 - t0, t2 - t1
-
-        def train() -> float:
-            model.train()
+    def one_round() -> dict:
+        model.eval()
+        with torch.no_grad():
             t0 = time.perf_counter()
-            out = sequence_logprobs(model, ids, attn, comp, temperature=0.7, with_entropy=True)
-            (out.logprobs.sum() / out.mask.sum()).backward()
-            model.zero_grad(set_to_none=True)
-            return time.perf_counter() - t0
+            out = base(input_ids=prompt, use_cache=True, logits_to_keep=1)
+            t1 = time.perf_counter()
+            cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            for _ in range(probe["decode_steps"]):
+                out = base(input_ids=nxt, past_key_values=cache, use_cache=True)
+                cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            t2 = time.perf_counter()
+        model.train()
+        out = sequence_logprobs(model, ids, attn, comp, temperature=0.7, with_entropy=True)
+        (out.logprobs.sum() / out.mask.sum()).backward()
+        model.zero_grad(set_to_none=True)
+        return {"prefill": t1 - t0, "decode": t2 - t1, "train": time.perf_counter() - t2}
 
-        generation(), train()  # warm-up: kernel selection, weight packing, allocator
-        parts = {"prefill": [], "decode": [], "train": []}
-        for _ in range(2):
-            pre, dec = generation()
-            parts["prefill"].append(pre)
-            parts["decode"].append(dec)
-            parts["train"].append(train())
-    ms = {k: 1e3 * min(v) for k, v in parts.items()}
-    ms["total"] = sum(probe["weights"][k] * ms[k] for k in ("prefill", "decode", "train"))
-    return ms
+    return one_round
+
+
+def cpu_step_probe_pair(dtypes: tuple = (torch.bfloat16, torch.float32), probe: dict = STEP_PROBE,
+                        rounds: int = PROBE_ROUNDS) -> dict:
+    """{dtype name: milliseconds of each part of the scaled-down step, and their weighted sum under "total"}.
+
+    The parts: a prefill of [rows, tokens] prompts (one lm_head row each), `decode_steps` single-token steps with
+    the KV cache, and one LoRA micro-batch forward+backward through `sequence_logprobs` (the trainer's chunked
+    log-prob head) with the last `completion` positions scored. Every dtype's model is built and warmed up first,
+    then the timed rounds alternate between the dtypes and each part keeps its best round: a burst of load from
+    elsewhere on the machine slows one round of each, not one dtype's whole measurement. The global RNG is left as
+    it was."""
+    runs = {str(d).replace("torch.", ""): _step_probe(d, probe) for d in dtypes}
+    for run in runs.values():
+        run()  # warm-up: kernel selection, weight packing, allocator
+    best: dict = {name: {} for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            for part, sec in run().items():
+                best[name][part] = min(best[name].get(part, float("inf")), sec)
+    out = {}
+    for name, parts in best.items():
+        ms = {k: 1e3 * v for k, v in parts.items()}
+        ms["total"] = sum(probe["weights"][k] * ms[k] for k in ("prefill", "decode", "train"))
+        out[name] = ms
+    return out
+
+
+def cpu_step_probe_ms(dtype: torch.dtype, probe: dict = STEP_PROBE, rounds: int = PROBE_ROUNDS) -> dict:
+    """`cpu_step_probe_pair` for one dtype."""
+    return cpu_step_probe_pair((dtype,), probe, rounds)[str(dtype).replace("torch.", "")]
 
 
 def _probe_cache_key(flags: tuple[str, ...]) -> str:
@@ -199,8 +217,8 @@ def cpu_bf16_check() -> Bf16Check:
     """Native-bf16 flags and the timing that confirms them (once per process; with the flags, once per machine).
 
     With avx512_bf16/amx_bf16: one linear layer in each dtype first; if bf16 is over SLOW_LINEAR times slower (its
-    matmuls are emulated after all), that decides; otherwise `cpu_step_probe_ms` in bf16 and fp32 (seconds, the
-    first time). Either is stored in the cache
+    matmuls are emulated after all), that decides; otherwise `cpu_step_probe_pair` times the step in bf16 and fp32,
+    their rounds alternating (seconds, the first time). Either is stored in the cache
     folder's cpu-dtype-check.json under a key of CPU model, flags, core and thread counts and torch version, and
     read from there afterwards. Without the flags bf16 is never picked: one linear layer in each dtype (well under a
     second) only sizes the slowdown an explicit bfloat16 is warned about.
@@ -226,7 +244,7 @@ def cpu_bf16_check() -> Bf16Check:
         rec = {"bfloat16": {"total": lin_bf16}, "float32": {"total": lin_fp32}, "probe": "linear"}
     else:
         log.info("model.dtype=auto: timing a scaled-down training step in bf16 and fp32 on this CPU (once per machine)")
-        rec = {"bfloat16": cpu_step_probe_ms(torch.bfloat16), "float32": cpu_step_probe_ms(torch.float32)}
+        rec = cpu_step_probe_pair()
         release_memory()  # the probe models' buffers: training never reuses them
     stored[key] = rec
     with contextlib.suppress(OSError):

@@ -75,25 +75,47 @@ def test_the_step_probe_times_prefill_decode_and_training_and_leaves_the_rng_alo
     assert ms["total"] == pytest.approx(sum(w[k] * ms[k] for k in w))
 
 
+def test_the_probe_alternates_the_dtypes_rounds_and_keeps_each_parts_best(monkeypatch):
+    """Both dtypes are warmed up, then their timed rounds alternate (a burst of load elsewhere slows one round of
+    each, not one dtype's whole measurement), and each part keeps its fastest round."""
+    order = []
+    seconds = {torch.bfloat16: iter([9, 0.5, 3, 0.2, 1.0]), torch.float32: iter([9, 0.4, 0.6, 0.8, 2.0])}
+
+    def fake_step_probe(dtype, probe):
+        def one_round():
+            order.append(dtype)
+            s = next(seconds[dtype])
+            return {"prefill": s, "decode": 2 * s, "train": 3 * s}
+        return one_round
+
+    monkeypatch.setattr(dtypes, "_step_probe", fake_step_probe)
+    ms = dtypes.cpu_step_probe_pair(rounds=3)
+    bf, fp = torch.bfloat16, torch.float32
+    assert order == [bf, fp, bf, fp, bf, fp, bf, fp]  # warm-ups, then three alternating rounds
+    assert ms["bfloat16"]["prefill"] == pytest.approx(200) and ms["float32"]["train"] == pytest.approx(1200)
+    w = dtypes.STEP_PROBE["weights"]
+    assert ms["float32"]["total"] == pytest.approx(w["prefill"] * 400 + w["decode"] * 800 + w["train"] * 1200)
+
+
 def test_the_step_check_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("BASIS_LITE_CACHE", str(tmp_path))
     monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: ("avx512_bf16",))
     monkeypatch.setattr(dtypes, "_linear_ms", lambda dtype: 1.0)  # native bf16: the pre-screen lets the step decide
     calls = []
 
-    def fake_probe(dtype, probe=dtypes.STEP_PROBE):
-        calls.append(dtype)
-        total = 10.0 if dtype == torch.bfloat16 else 30.0
-        return {"prefill": 1.0, "decode": 1.0, "train": 1.0, "total": total}
+    def fake_pair(*a, **k):
+        calls.append("pair")
+        return {name: {"prefill": 1.0, "decode": 1.0, "train": 1.0, "total": total}
+                for name, total in (("bfloat16", 10.0), ("float32", 30.0))}
 
-    monkeypatch.setattr(dtypes, "cpu_step_probe_ms", fake_probe)
+    monkeypatch.setattr(dtypes, "cpu_step_probe_pair", fake_pair)
     first = dtypes.cpu_bf16_check()
     assert (first.probe, first.cached, first.bf16_ms, first.fp32_ms, first.fast) == ("step", False, 10.0, 30.0, True)
-    assert calls == [torch.bfloat16, torch.float32]
+    assert calls == ["pair"]
     assert (tmp_path / dtypes.DTYPE_CHECK_FILE).is_file()
     dtypes.cpu_bf16_check.cache_clear()  # a new process on the same machine: read back, nothing timed
     again = dtypes.cpu_bf16_check()
-    assert again.cached and (again.bf16_ms, again.fp32_ms) == (10.0, 30.0) and len(calls) == 2
+    assert again.cached and (again.bf16_ms, again.fp32_ms) == (10.0, 30.0) and len(calls) == 1
     assert "measured earlier" in again.describe()
 
 
