@@ -12,8 +12,9 @@ on all linear layers, 64 completions x exactly 256 new tokens per step:
                          gradient_accumulation_steps 8, min_new_tokens=256, beta=0, adamw_8bit
 Each variant runs in its own process (Unsloth patches transformers on import; peaks stay separate). Per variant:
 generation seconds and training seconds per step (mean over the measured steps, after one warm-up step), peak
-GPU memory (torch max_memory_allocated, and the device's used memory at the end), and basis-lite's `plan` estimate
-for the same config next to it. Prints a table; writes bench/results/gpu_step/gpu_step.json (and $OUT/gpu_step.json).
+GPU memory (torch max_memory_allocated; for basis-lite also per phase: load, generation, update; and the device's
+used memory at the end), and basis-lite's `plan` estimate for the same config next to it. Results are written after
+every variant, and a variant that runs past --variant-timeout is stopped and recorded as such. Prints a table; writes bench/results/gpu_step/gpu_step.json (and $OUT/gpu_step.json).
 
 Run it on a GPU machine without network (written for an H200 with Python 3.12, torch 2.11, transformers 5.17):
     once, on a machine with network: download the GPU wheels into .whl/ (git-ignored) and copy the folder over
