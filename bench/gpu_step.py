@@ -14,7 +14,8 @@ Each variant runs in its own process (Unsloth patches transformers on import; pe
 generation seconds and training seconds per step (mean over the measured steps, after one warm-up step), peak
 GPU memory (torch max_memory_allocated; for basis-lite also per phase: load, generation, update; and the device's
 used memory at the end), and basis-lite's `plan` estimate for the same config next to it. Results are written after
-every variant, and a variant that runs past --variant-timeout is stopped and recorded as such. Prints a table; writes bench/results/gpu_step/gpu_step.json (and $OUT/gpu_step.json).
+every variant, and a variant that runs past --variant-timeout is stopped and recorded as such. Prints a table;
+writes bench/results/gpu_step/gpu_step.json (and $OUT/gpu_step.json).
 
 Run it on a GPU machine without network (written for an H200 with Python 3.12, torch 2.11, transformers 5.17):
     once, on a machine with network: download the GPU wheels into .whl/ (git-ignored) and copy the folder over
@@ -183,14 +184,14 @@ def run_basis(args, model_dir: str, backend: str, engine_name: str, dry: bool = 
     gen, train, lens = [], [], []
     cuda = device.type == "cuda"
     phase_peak = {"load": 0.0, "generation": 0.0, "training": 0.0}  # GiB allocated, the most seen in each phase
-    overall = {"peak_allocated_gib": 0.0, "peak_reserved_gib": 0.0}
+    peak_reserved = 0.0  # GiB: torch's reserved-memory peak, across the phase resets
 
     def phase_end(name):  # note the phase's peak, then start a fresh count for the next phase
+        nonlocal peak_reserved
         if cuda:
             torch.cuda.synchronize()
             phase_peak[name] = max(phase_peak[name], torch.cuda.max_memory_allocated() / 2**30)
-            overall["peak_allocated_gib"] = max(overall["peak_allocated_gib"], phase_peak[name])
-            overall["peak_reserved_gib"] = max(overall["peak_reserved_gib"], torch.cuda.max_memory_reserved() / 2**30)
+            peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved() / 2**30)
             torch.cuda.reset_peak_memory_stats()
 
     phase_end("load")
@@ -219,7 +220,8 @@ def run_basis(args, model_dir: str, backend: str, engine_name: str, dry: bool = 
             "training_s": sum(train[measured]) / len(train[measured]), "mean_completion_tokens": lens[-1],
             "completions": len(prompts), "engine": type(engine).__name__, "plan_estimate_gib": est["total"],
             "plan_parts_gib": est, **cuda_peak(),
-            **({**overall, "phase_peak_allocated_gib": phase_peak} if cuda else {})}
+            **({"peak_allocated_gib": max(phase_peak.values()), "peak_reserved_gib": peak_reserved,
+                "phase_peak_allocated_gib": phase_peak} if cuda else {})}
 
 
 def run_trl(args, model_dir: str) -> dict:

@@ -31,24 +31,15 @@ if str(REPO) not in sys.path:
 
 from bench.lib.paths import results_dir, shown  # noqa: E402
 from bench.lib.provenance import flags_line, machine_record  # noqa: E402
+from bench.lib.recorders import peak_rss_mb, rss_mb  # noqa: E402
 from bench.lib.report import markdown_table, write_json  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 PATHS = ("analytic", "checkpointed")
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now (Linux: VmRSS of /proc/self/status)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def measure(vocab: int, hidden: int, chunk: int, dtype: str, path: str) -> dict:
     """One case, in this process: the peak resident bytes the chunk's forward + backward adds."""
-    import resource
-
     import torch
 
     from basis_lite.losses.policy import chunked_token_logprobs
@@ -59,11 +50,10 @@ def measure(vocab: int, hidden: int, chunk: int, dtype: str, path: str) -> dict:
     h = torch.randn(1, chunk, hidden, dtype=dt, requires_grad=True)
     targets = torch.randint(0, vocab, (1, chunk))
     mask = torch.ones(1, chunk, dtype=torch.bool)
-    before = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, resident_bytes())
+    before = max(peak_rss_mb()["peak_rss_mb"], rss_mb())
     lp, _ = chunked_token_logprobs(h, head, targets, mask, chunk_size=chunk)
     lp.sum().backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    extra = max(0, peak - before)
+    extra = max(0.0, peak_rss_mb()["peak_rss_mb"] - before) * 2**20
     return {"vocab": vocab, "hidden": hidden, "chunk": chunk, "dtype": dtype, "path": path,
             "transient_gib": extra / 2**30, "bytes_per_logit": extra / (chunk * vocab)}
 

@@ -73,7 +73,7 @@ class Bf16Check:
     flags: tuple[str, ...]  # native bf16 flags the CPU reports (avx512_bf16, amx_bf16)
     bf16_ms: float  # the probe's time in bf16 (a whole step, or one linear layer on CPUs without the flags)
     fp32_ms: float
-    probe: str = "linear"  # "step": STEP_PROBE (cpu_step_probe_ms); "linear": a 256x576 -> 1536 linear layer
+    probe: str = "linear"  # "step": STEP_PROBE (cpu_step_probe_pair); "linear": a 256x576 -> 1536 linear layer
     cached: bool = False  # read from the per-machine cache file instead of measured now
 
     @property
@@ -185,11 +185,6 @@ def cpu_step_probe_pair(dtypes: tuple = (torch.bfloat16, torch.float32), probe: 
         ms["total"] = sum(probe["weights"][k] * ms[k] for k in ("prefill", "decode", "train"))
         out[name] = ms
     return out
-
-
-def cpu_step_probe_ms(dtype: torch.dtype, probe: dict = STEP_PROBE, rounds: int = PROBE_ROUNDS) -> dict:
-    """`cpu_step_probe_pair` for one dtype."""
-    return cpu_step_probe_pair((dtype,), probe, rounds)[str(dtype).replace("torch.", "")]
 
 
 def _probe_cache_key(flags: tuple[str, ...]) -> str:

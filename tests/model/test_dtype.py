@@ -68,7 +68,7 @@ SMALL_PROBE = dict(dtypes.STEP_PROBE, hidden=64, intermediate=128, layers=2, hea
 def test_the_step_probe_times_prefill_decode_and_training_and_leaves_the_rng_alone():
     torch.manual_seed(123)
     before = torch.random.get_rng_state()
-    ms = dtypes.cpu_step_probe_ms(torch.float32, SMALL_PROBE)
+    ms = dtypes.cpu_step_probe_pair((torch.float32,), SMALL_PROBE)["float32"]
     assert torch.equal(torch.random.get_rng_state(), before)
     assert set(ms) == {"prefill", "decode", "train", "total"} and all(v > 0 for v in ms.values())
     w = SMALL_PROBE["weights"]
@@ -169,7 +169,7 @@ def test_an_emulated_bf16_linear_decides_without_the_step_timing(monkeypatch, tm
     monkeypatch.setenv("BASIS_LITE_CACHE", str(tmp_path))
     monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: ("avx512_bf16",))
     monkeypatch.setattr(dtypes, "_linear_ms", lambda dtype: 52.0 if dtype == torch.bfloat16 else 4.0)
-    monkeypatch.setattr(dtypes, "cpu_step_probe_ms", lambda *a, **k: pytest.fail("no step timing for emulated bf16"))
+    monkeypatch.setattr(dtypes, "cpu_step_probe_pair", lambda *a, **k: pytest.fail("no step timing for emulated bf16"))
     dtypes.cpu_bf16_check.cache_clear()
     try:
         first = dtypes.cpu_bf16_check()
