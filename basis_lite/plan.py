@@ -190,22 +190,27 @@ def training_phase(s: _Sizing) -> float:
     """The activations of one micro-batch and the log-prob chunk; returns their GiB."""
     m, t, shape, db = s.cfg.model, s.cfg.train, s.shape, s.db
     T, mb = m.max_seq_length, t.micro_batch_size
-    one_layer = mb * T * layer_activation_bytes(shape, db, T, s.cuda)
+    tokens = mb * T  # the largest micro-batch's padded tokens: train.micro_batch_tokens caps them (one row at least)
+    if t.micro_batch_tokens:
+        tokens = min(tokens, max(T, t.micro_batch_tokens))
+    one_layer = tokens * layer_activation_bytes(shape, db, T, s.cuda)
     dequant = shape.hidden * shape.intermediate * db if m.load_in_4bit else 0  # one dequantised weight at a time
     if m.gradient_checkpointing:
-        act = mb * T * shape.hidden * shape.layers * db + one_layer + dequant
+        act = tokens * shape.hidden * shape.layers * db + one_layer + dequant
         how = "checkpointed"
     else:
         act = shape.layers * one_layer + dequant
         how = "no checkpointing"
     if t.kl_coef > 0:
         s.notes.append("kl_coef > 0 adds one no-grad reference forward per micro-batch (small: not counted)")
-    s.parts[f"activations ({how}, micro-batch {mb} x {T} tokens)"] = act / GIB
+    size = f"micro-batch {mb} x {T} tokens" if tokens == mb * T else f"micro-batch of {tokens} padded tokens"
+    s.parts[f"activations ({how}, {size})"] = act / GIB
     heap = 0.0
     if not s.cuda:
         heap = CPU_HEAP_FACTOR * act / GIB
         s.parts[f"freed buffers the CPU heap keeps during the update ({CPU_HEAP_FACTOR:g} x activations)"] = heap
-    chunk = min(t.logprob_chunk_size, mb * min(T, s.cfg.generation.max_new_tokens))  # completion tokens only
+    rows = max(1, tokens // T)
+    chunk = min(t.logprob_chunk_size, rows * min(T, s.cfg.generation.max_new_tokens))  # completion tokens only
     logprob = chunk * shape.vocab * LOGPROB_BYTES_PER_LOGIT / GIB
     s.parts[f"log-prob chunk ({chunk} tokens x vocab {shape.vocab} x {LOGPROB_BYTES_PER_LOGIT} B)"] = logprob
     return act / GIB + heap + logprob
@@ -214,15 +219,15 @@ def training_phase(s: _Sizing) -> float:
 def layer_activation_bytes(shape: ModelShape, db: int, T: int, cuda: bool) -> float:
     """The bytes one layer saves for the backward per token of a T-token sequence, without checkpointing: q, k, v,
     o, norms, residuals and MLP in the compute dtype; on the CPU also what its attention kernel keeps, and over a
-    16-bit base peft's fp32 copies of the adapted linears' inputs (tests/test_plan.py measures these against
-    autograd's saved tensors)."""
+    16-bit base the adapters' inputs, one 16-bit tensor per distinct input (model/lora.py: the q|k|v input, o's,
+    the gate|up input, down's; tests/test_plan.py measures these against autograd's saved tensors)."""
     n = (10 * shape.hidden + 4 * shape.intermediate) * db
     if cuda:
         return n  # flash / memory-efficient attention: nothing per key
     if db == 4:
         return n + shape.heads * T  # scaled_dot_product_attention: the padding mask, one bool per head and key
     # transformers' eager attention (model.loading.training_attention): the fp32 softmax and its 16-bit copy
-    return n + (6 * shape.hidden + shape.intermediate) * 4 + shape.heads * T * 6
+    return n + (3 * shape.hidden + shape.intermediate) * db + shape.heads * T * 6
 
 
 def kv_cache_phase(s: _Sizing, weights: float) -> tuple[float, bool]:
@@ -247,16 +252,19 @@ def kv_cache_phase(s: _Sizing, weights: float) -> tuple[float, bool]:
 def fast_cpu_copies(shape: ModelShape, db: int, r: int, target_modules) -> tuple[float, str]:
     """(bytes, what) of the weight copies engines/fast_cpu.py builds for a rollout: over a float32 base every
     linear merged with its adapter, fused per layer, and a oneDNN copy of the output head; over a 16-bit base the
-    linears fused in the base dtype and each fused group's LoRA factors in float32 beside them."""
+    fused groups (q|k|v, gate|up) in the base dtype (o and down run on the base's own tensors) and each group's LoRA
+    factors in float32 beside them."""
     if db == 4:
         return (shape.linear_params + shape.vocab * shape.hidden) * 4.0, "merged fp32 linears + output head"
     lin = shape.linear_shapes
     names = set(lin) if target_modules == "all-linear" else set(target_modules) & set(lin)
-    lora = 0
+    lora = fused = 0
     for group in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
         rank = r * len(names.intersection(group))  # [A; A; ...] [rank, in] and block-diagonal B [out, rank]
         lora += rank * (lin[group[0]][0] + sum(lin[n][1] for n in group)) * 4
-    return shape.linear_params * db + shape.layers * lora, f"{8 * db}-bit linears + fp32 LoRA"
+        if len(group) > 1:
+            fused += sum(lin[n][0] * lin[n][1] for n in group) * db
+    return shape.layers * (fused + lora), f"fused {8 * db}-bit q|k|v, gate|up + fp32 LoRA"
 
 
 def gpu_share_phase(s: _Sizing, weights: float) -> tuple[float, bool]:

@@ -54,9 +54,9 @@ class PhaseSampler:
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
+    if not argv or argv[0].startswith("-"):  # the first argument is the output file; -h / --help show this
         print(__doc__)
-        return 2
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     out, cli_args = Path(argv[0]), argv[1:]
     sampler = PhaseSampler()
     import torch

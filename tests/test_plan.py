@@ -241,8 +241,8 @@ def test_fast_cpu_weight_copies_match_the_decoder(dtype):
 def test_cpu_activation_estimate_matches_autograds_saved_tensors(dtype):
     """The plan's per-layer activation bytes on the CPU (plan.layer_activation_bytes, without checkpointing) against
     the unique storages autograd really keeps for the backward of one padded micro-batch of the tiny model through
-    the trainer's log-prob pass: sdpa's per-head mask in fp32; eager attention's softmax and peft's fp32 input
-    copies over a bf16 base (about twice the plain 16-bit count, which this estimate once was)."""
+    the trainer's log-prob pass: sdpa's per-head mask in fp32; eager attention's softmax and the adapters' 16-bit
+    inputs over a bf16 base (peft's own fp32 input copies, which model/lora.py removes, would read 1.26x here)."""
     from basis_lite.losses.policy import sequence_logprobs
     from basis_lite.model.loading import load_policy, training_attention
     from basis_lite.plan import layer_activation_bytes
@@ -271,7 +271,7 @@ def test_cpu_activation_estimate_matches_autograds_saved_tensors(dtype):
         sequence_logprobs(model, ids, attention, completion, chunk_size=128)
     measured = sum(saved.values())
     estimate = shape.layers * b * T * layer_activation_bytes(shape, dtype.itemsize, T, cuda=False)
-    assert 0.85 * measured <= estimate <= 1.3 * measured, (estimate, measured)
+    assert 0.9 * measured <= estimate <= 1.15 * measured, (estimate, measured)
 
 
 def test_cpu_plan_bounds_the_measured_whole_job_peaks():

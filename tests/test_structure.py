@@ -42,7 +42,7 @@ LAYERS = [
         "data": ["__init__", "rows", "loading", "prompts", "sampler"],
         "rewards": ["scorer", "worker"],
         "runs": ["metrics"],
-        "model": ["shape"],
+        "model": ["shape", "lora"],
     }),
     ("models and engines", "model loading, engines, distributed, updates, checkpoints, export checks", {
         "": ["plan"],

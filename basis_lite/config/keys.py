@@ -308,6 +308,10 @@ class TrainConfig:
                               range=Range(1, MAX_SEQUENCES), refuse=_REFUSE_BATCH)
     micro_batch_size: int = setting(8, "sequences per forward/backward; gradient accumulation covers the rest",
                                     range=Range(1, MAX_SEQUENCES), refuse=_REFUSE_ACCUMULATION)
+    micro_batch_tokens: int = setting(0, "at most this many padded tokens (rows x the longest row) per "
+                                      "micro-batch, so long rollouts train in smaller micro-batches than short ones "
+                                      "(a row longer than this trains alone); 0 = train.micro_batch_size alone",
+                                      range=Range(0, 10_000_000))
     lr: float = setting(2e-4, "peak learning rate (TRL: learning_rate)", range=POS, trl="learning_rate")
     weight_decay: float = setting(0.0, "AdamW weight decay", range=NONNEG, trl="weight_decay")
     warmup_steps: int = setting(2, "linear warmup steps", range=Range(0, 10_000_000), trl="warmup_steps")

@@ -6,7 +6,8 @@ batch, the prefix every prompt shares is prefilled once (used by `engines.hf.HFE
 
 Weights. The decoder's linear layers run fused per layer (q|k|v and gate|up) from the engine's own copies, built
 from the frozen base and the live adapter. Over a float32 base these are merged: base weight + scale * B @ A.
-Over a bf16/fp16 base they hold the base weights only, and the adapter runs beside them in float32, added before
+Over a bf16/fp16 base they hold the base weights only (o and down need no fusing and run on the base's own
+tensors: only q|k|v and gate|up are copies), and the adapter runs beside them in float32, added before
 rounding to the base dtype as peft's LoRA layer does: rounding a small adapter delta into a 16-bit weight would
 drop it, and the rollout policy would silently not be the trained one. What depends on the adapter is rebuilt
 whenever a LoRA weight changed since the last build (tensor version counters, so also for an eval right after an
@@ -178,7 +179,9 @@ class FastDecoder:
                     self.head.w = lm.weight.detach()  # the base's own tensor
             for g, mods in zip(groups, state):
                 if not self.merged and g.w is None and g.wm is None:  # the frozen base, fused
-                    g.set_weight(torch.cat([b.weight.detach() for b, _ in mods]))
+                    ws = [b.weight.detach() for b, _ in mods]
+                    # a single linear (o, down) runs on the base's own tensor: a copy would hold the same values
+                    g.set_weight(ws[0] if len(ws) == 1 and not self.packed else torch.cat(ws))
                 if self.merged:
                     w = g.w if g.w is not None else torch.empty(g.shape, dtype=self.dtype)
                     row = 0
@@ -379,8 +382,12 @@ class _Group:
             self.bm = self.bias.to_mkldnn()
 
     def nbytes(self) -> int:
+        """The bytes this group holds beside the base model (a base tensor used as it is counts 0)."""
         dense = self.w if self.w is not None else self.wm
-        n = self.shape[0] * self.shape[1] * dense.element_size() if dense is not None else 0
+        own = self.wm is not None or (self.w is not None and not any(
+            self.w.data_ptr() == (lora_parts(m)[0] if hasattr(m, "base_layer") else m).weight.data_ptr()
+            for m in self.modules))
+        n = self.shape[0] * self.shape[1] * dense.element_size() if own else 0
         return n + (sum(_nbytes(t) for t in self.lora) if self.lora else 0)
 
     def __call__(self, x):

@@ -234,15 +234,27 @@ def behaviour_weights(cfg: Config, rollouts, eapo_w, old: torch.Tensor, mask: to
 
 
 def micro_batches(cfg: Config, rollouts, advantages: torch.Tensor) -> list[list[int]]:
-    """The rollouts that train, in micro-batches of `train.micro_batch_size` of similar lengths (each is padded to
-    its longest sequence, so sorting wastes fewer FLOPs). A rollout whose advantage is exactly 0 adds nothing to the
-    policy loss and is left out unless a KL term needs it or the loss regresses toward the reference (A*-PO's
-    squared error has a gradient at A = 0 too); its tokens still count in the divisors."""
+    """The rollouts that train, shortest first, in micro-batches of at most `train.micro_batch_size` rows and, when
+    `train.micro_batch_tokens` is set, at most that many padded tokens (rows x the longest row: each micro-batch is
+    padded to its longest sequence, so sorting wastes fewer FLOPs, and its activations grow with those tokens). A
+    rollout whose advantage is exactly 0 adds nothing to the policy loss and is left out unless a KL term needs it
+    or the loss regresses toward the reference (A*-PO's squared error has a gradient at A = 0 too); its tokens still
+    count in the divisors."""
     t = cfg.train
     every = t.kl_coef > 0 or LOSSES[t.loss].reference
     idx = [i for i in range(len(rollouts)) if every or advantages[i].item() != 0.0]
-    idx.sort(key=lambda i: len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids))
-    return [idx[s:s + t.micro_batch_size] for s in range(0, len(idx), t.micro_batch_size)]
+
+    def length(i: int) -> int:
+        return len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids)
+
+    idx.sort(key=length)
+    out: list[list[int]] = []
+    for i in idx:  # ascending lengths: a row added is the micro-batch's longest (as packed: at most max_seq_length)
+        padded = (len(out[-1]) + 1) * min(length(i), cfg.model.max_seq_length) if out else 0
+        if not out or len(out[-1]) == t.micro_batch_size or (t.micro_batch_tokens and padded > t.micro_batch_tokens):
+            out.append([])
+        out[-1].append(i)
+    return out
 
 
 def step_normalizer(cfg: Config, rollouts, ranks: Ranks) -> Normalizer:
