@@ -243,8 +243,7 @@ def analyze(runs: dict, targets=TARGETS) -> dict:
     return {"arms": per_arm, "order": arms, "paired": paired, "targets": [f"{t:g}" for t in targets],
             "pareto": {"clock": front_clock, "tokens": front_tokens},
             "rss_understated": understated, "commits": sorted({s["commit"] for s in every}), "dirty": any(s.get("dirty") for s in every),
-            "machines": sorted({flags_line(s) + f"; torch {s.get('torch')}, {s.get('torch_threads')} threads"
-                                for s in every}),
+            "machines": _machines(every),
             "load_1min": {k: [min(v), max(v)] if v else None for k, v in (
                 ("before", [s["loadavg_before"][0] for s in every if s.get("loadavg_before")]),
                 ("after", [s["loadavg_after"][0] for s in every if s.get("loadavg_after")]))},
@@ -252,6 +251,17 @@ def analyze(runs: dict, targets=TARGETS) -> dict:
             if every else {},
             "cost_source": sorted({f"{k}: {v}" for s in every for k, v in (s.get("cost_source") or {}).items()
                                    if not v.startswith(("metrics.jsonl ", "no reference samples"))})}
+
+
+def _machines(every: list[dict]) -> list[str]:
+    """One line per kind of machine (CPU flags, torch, threads, the kernel level torch ran at) naming its arms:
+    clocks compare only within a line; accuracies compare across lines where the kernels match."""
+    by_line: dict[str, set[str]] = {}
+    for s in every:
+        line = (flags_line(s) + f"; torch {s.get('torch')}, {s.get('torch_threads')} threads"
+                + f", kernels at {s.get('torch_cpu_capability') or 'unrecorded'}")
+        by_line.setdefault(line, set()).add(s["arm"])
+    return [f"{line}: {', '.join(sorted(arms))}" for line, arms in sorted(by_line.items())]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -365,6 +375,9 @@ def markdown(name: str, rep: dict) -> str:
              "![held-out accuracy against tokens generated and clock, and the Pareto frontier](comparison.png)", "",
              "## Where it ran", ""]
     lines += [f"- {m}" for m in rep["machines"]]
+    if len(rep["machines"]) > 1:
+        lines += ["", "Each line names the arms with a run there. Clocks compare only within one line; with the same "
+                  "kernel level, accuracies compare across lines."]
     lo = rep["load_1min"]
     lines += ["", f"1-minute load average at the start of the runs: {lo['before']}, at their end: {lo['after']} "
               "(lowest, highest); the clocks are comparable only on an otherwise idle machine."]

@@ -163,3 +163,18 @@ def test_committed_comparisons_agree_with_their_report_and_pages(rp, folder, cap
     what its raw run files give now (bench/report.py --check), so no committed figure of it is typed by hand."""
     rc = rp.main([str(folder), "--check"])
     assert rc == 0, capsys.readouterr().err
+
+
+def test_machines_are_listed_apart_with_their_arms_and_kernel_level(rp):
+    """Runs on two kinds of machine (or one machine with capped kernels) give one line each, naming the arms there."""
+    def summary(arm, avx512, cap):
+        return {"arm": arm, "cpu_model": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu", "torch_threads": 2,
+                "torch_cpu_capability": cap,
+                "cpu_flags": {"avx2": True, "fma": True, "avx512f": avx512, "avx512_bf16": avx512}}
+    lines = rp._machines([summary("basis", False, "AVX2"), summary("trl8", True, "AVX2"),
+                          summary("basis", True, "AVX2"), summary("grpo8", True, "AVX512")])
+    assert len(lines) == 3
+    capped = [m for m in lines if "flags: avx2 fma avx512f" in m and "kernels at AVX2" in m]
+    assert len(capped) == 1 and capped[0].endswith(": basis, trl8")
+    assert any("without avx512f" in m and m.endswith("kernels at AVX2: basis") for m in lines)
+    assert any(m.endswith("kernels at AVX512: grpo8") for m in lines)
