@@ -422,7 +422,7 @@ def load_policy(cfg, device: torch.device, dtype: torch.dtype, adapter_path: str
     """
     from peft import LoraConfig, get_peft_model
 
-    from .lora import adapt_lora_layers
+    from .lora import keep_lora_inputs_16bit
 
     model = load_base(cfg, device, dtype)
     contiguous_head_input(model)
@@ -444,7 +444,7 @@ def load_policy(cfg, device: torch.device, dtype: torch.dtype, adapter_path: str
     for p in model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
-    adapt_lora_layers(model)  # the LoRA branch in one autograd function; each LoRA input saved once, in its dtype
+    keep_lora_inputs_16bit(model)  # over a 16-bit base: the update saves each LoRA input once, in 16 bits
     return model, tok
 
 
