@@ -7,14 +7,14 @@
     python bench/report.py bench/results/default-dev          # every table, plot and verdict, from the raw files
 
 The arms are bench/lib/arms.py's table (each at the preset's B = train.batch_size rollouts per step; trl8 is TRL's
-GRPOTrainer through bench/vs_trl.py's worker). For each seed in the order given, every arm runs once, the arms in
-the order given rotated by one more place per seed (seed 1 of 0-7 starts with the second arm), so a slow drift of
-the machine falls on every arm alike. Each run is a fresh Python process (`--worker`) training the preset with
-train.seed = the seed, the comparison's --set items and the arm's settings; the driver waits for it with os.wait4
-and takes the run's peak memory from the kernel's record of that process (ru_maxrss: its high-water mark, or the
-larger of any child it waited for), not from the trainer's own log; it also reads the child's resident set every 50 ms
-(peak_rss_sampled_mb), and where that exceeds ru_maxrss by more than 5 % the trainer cleared the kernel's
-high-water mark during the run (bench/report.py says so).
+GRPOTrainer and trl_a2po TRL's A2POTrainer, through bench/vs_trl.py's workers). For each seed in the order given,
+every arm runs once, the arms in the order given rotated by one more place per seed (seed 1 of 0-7 starts with the
+second arm), so a slow drift of the machine falls on every arm alike. Each run is a fresh Python process (`--worker`)
+training the preset with train.seed = the seed, the comparison's --set items and the arm's settings; the driver waits
+for it with os.wait4 and takes the run's peak memory from the kernel's record of that process (ru_maxrss: its
+high-water mark, or the larger of any child it waited for), not from the trainer's own log; it also reads the child's
+resident set every 50 ms (peak_rss_sampled_mb), and where that exceeds ru_maxrss by more than 5 % the trainer cleared
+the kernel's high-water mark during the run (bench/report.py says so).
 
 One commit: the working tree must hold no uncommitted change to a tracked file that a run executes or reads
 (`--allow-dirty` runs anyway and marks every run dirty, with the sha256 of `git diff HEAD`), and a comparison folder
@@ -70,7 +70,7 @@ from bench.lib.paths import REPO, shown  # noqa: E402
 from bench.lib.provenance import git_changed_files, git_commit, git_diff_sha256, loadavg, machine_record  # noqa: E402
 from bench.lib.recorders import patched, rss_mb, timer  # noqa: E402
 from bench.lib.report import write_json  # noqa: E402
-from bench.vs_trl import INSTALL_HINT, trl_config_kwargs, worker_trl  # noqa: E402
+from bench.vs_trl import INSTALL_HINT, a2po_config_kwargs, trl_config_kwargs, worker_a2po, worker_trl  # noqa: E402
 
 DEFAULT_ARMS = ("basis", "basis_raw", "reinforce_pp", "grpo8", "rloo2", "rloo2_norm", "grpo8_wide", "spo", "astar",
                 "basis_mix", "trl8")
@@ -78,6 +78,7 @@ COMPARISON = "comparison.json"
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl.gz"
 PACKAGES = ("transformers", "peft", "trl")
+TRL_ARMS = {"trl": worker_trl, "trl_a2po": worker_a2po}  # Arm.external: the bench/vs_trl.py worker that trains it
 COSTS = ("prompt_tokens", "generated_tokens", "trained_tokens")
 # the comparison's settings: fixed by its first invocation
 FIXED = ("preset", "steps", "eval_every", "eval_set", "set")
@@ -165,11 +166,12 @@ def plan(args) -> tuple[dict, dict]:
     base = base_overrides(args)
     cfg0 = load_config(args.preset, base)
     batch = cfg0.train.batch_size
-    if any(ARMS[a].external == "trl" for a in args.arms):
+    external = [a for a in args.arms if ARMS[a].external]
+    if external:
         import importlib.util
 
         if importlib.util.find_spec("trl") is None:
-            raise CompareError(f"arm trl8 needs trl: {INSTALL_HINT}")
+            raise CompareError(f"arm {external[0]} needs trl: {INSTALL_HINT}")
     specs = {}
     for arm, seed in run_order(args.arms, args.seeds):
         a = ARMS[arm]
@@ -177,13 +179,15 @@ def plan(args) -> tuple[dict, dict]:
         cfg = load_config(args.preset, ov)  # ConfigError on a bad --set or arm, before any run starts
         if a.external == "trl":
             trl_config_kwargs(cfg, a.group, cfg.train.steps, "", True)  # ConfigError on a batch TRL cannot split
+        elif a.external == "trl_a2po":
+            a2po_config_kwargs(cfg, cfg.train.steps, "", True, a.prior_samples, 0.5)
         specs[(arm, seed)] = {
             "arm": arm, "seed": seed, "preset": args.preset, "overrides": ov, "external": a.external,
             "estimator": a.estimator, "description": a.description, "group": a.group,
             "prompts_per_step": prompts_per_step(a, batch), "rollouts_per_prompt": a.group,
             "rollouts_per_step": prompts_per_step(a, batch) * a.group, "steps": cfg.train.steps,
             "eval_every": cfg.train.eval_every, "eval_set": cfg.data.eval_set, "prior_samples":
-            0 if a.external else cfg.estimator.prior_samples}
+            (a.prior_samples or 0) if a.external else cfg.estimator.prior_samples}
     settings = {"preset": args.preset, "steps": cfg0.train.steps, "eval_every": cfg0.train.eval_every,
                 "eval_set": args.eval_set, "set": list(args.set), "rollouts_per_step": batch,
                 "model": cfg0.model.name, "dataset": cfg0.data.dataset, "levels": cfg0.data.levels,
@@ -247,7 +251,7 @@ def worker(spec_path: str) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     spec = json.loads(Path(spec_path).read_text())
-    info = worker_trl_arm(spec) if spec["external"] == "trl" else worker_basis_lite(spec)
+    info = worker_trl_arm(spec) if spec["external"] in TRL_ARMS else worker_basis_lite(spec)
     write_json(Path(spec["work"]) / "worker.json", info, indent=1)
     return 0
 
@@ -272,8 +276,9 @@ def worker_basis_lite(spec: dict) -> dict:
 
 
 def worker_trl_arm(spec: dict) -> dict:
-    """TRL's GRPOTrainer through bench/vs_trl.py's worker, its evals and model load timed; its eval points, step
-    clocks and token counts written as the trainer's metrics.jsonl would hold them."""
+    """TRL's GRPOTrainer or A2POTrainer through bench/vs_trl.py's workers, evals and model load timed; the eval
+    points, step clocks and token counts written as the trainer's metrics.jsonl would hold them; A2PO's Stage 1 (its
+    reference samples) as the trainer's summary records a cold prior."""
     import basis_lite.model.loading as loading
     import basis_lite.rl.evaluate as evaluate
 
@@ -283,19 +288,23 @@ def worker_trl_arm(spec: dict) -> dict:
     acc = {"eval_s": 0.0, "load_s": 0.0}
     trl_spec = {**spec, "eval_limit": None, "progress": False, "run_dir": str(run_dir)}
     with patched(evaluate, "evaluate", timer(acc, "eval_s")), patched(loading, "load_policy", timer(acc, "load_s")):
-        res = worker_trl(trl_spec)
+        res = TRL_ARMS[spec["external"]](trl_spec)
     history = json.loads((run_dir / "trl_log_history.json").read_text())
     lines = trl_metrics_lines(res, history, spec["rollouts_per_step"])
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ref = res.get("reference") or {}
+    summary = {"prior_seconds": ref["seconds"], "prior_cached": False, "reference_tokens": ref["generated_tokens"],
+               "reference_prompt_tokens": ref["prompt_tokens"]} if ref else {}
     return {**acc, "torch_threads": res["threads"], "trl": res.get("trl"), "logprob_head": res.get("logprob_head"),
-            "reward_s": res.get("reward_s"), "train_summary": {}}
+            "reward_s": res.get("reward_s"), "kept_prompts": res.get("kept_prompts"), "train_summary": summary}
 
 
 def trl_metrics_lines(res: dict, history: list[dict], rollouts: int) -> list[dict]:
     """metrics.jsonl lines of a TRL run: a step line per optimizer step (generation_s, training_s = the update,
-    reward_mean, and from TRL's log: generated_tokens = completions/mean_length x rollouts, trained_tokens = the
-    step's growth of num_tokens (prompt + completion tokens, all of which TRL forwards and backpropagates),
-    prompt_tokens = the difference), then the eval lines."""
+    reward_mean, and the tokens: counted by the worker where its step record has them (A2PO: prompt_tokens,
+    generated_tokens, trained_tokens = their sum, all of which it forwards and backpropagates), else from TRL's log
+    (GRPO: generated_tokens = completions/mean_length x rollouts, trained_tokens = the step's growth of num_tokens,
+    prompt_tokens = the difference)), then the eval lines."""
     logs = {int(h["step"]): h for h in history if "step" in h}
     lines, seen = [], 0.0
     for p in res["per_step"]:
@@ -303,7 +312,10 @@ def trl_metrics_lines(res: dict, history: list[dict], rollouts: int) -> list[dic
         rec = {"step": s, "generation_s": p["generation_s"], "training_s": p["update_s"],
                "reward_mean": p["reward_mean"]}
         h = logs.get(s, {})
-        if "completions/mean_length" in h and "num_tokens" in h:
+        if "generated_tokens" in p:
+            rec.update(completion_len=p["generated_tokens"] / rollouts, generated_tokens=p["generated_tokens"],
+                       prompt_tokens=p["prompt_tokens"], trained_tokens=p["prompt_tokens"] + p["generated_tokens"])
+        elif "completions/mean_length" in h and "num_tokens" in h:
             gen = h["completions/mean_length"] * rollouts
             rec.update(completion_len=h["completions/mean_length"], generated_tokens=round(gen),
                        trained_tokens=round(h["num_tokens"] - seen), prompt_tokens=round(h["num_tokens"] - seen - gen))
@@ -393,6 +405,9 @@ def summarize(spec: dict, run_dir: Path, info: dict, measured: dict) -> dict:
     if spec["external"] == "trl":
         source.update({k: "TRL's log: num_tokens and completions/mean_length (trl_metrics_lines)" for k in COSTS
                        if costs[k] is not None})
+    elif spec["external"] == "trl_a2po":
+        source.update({k: "counted from the tokens A2PO's generate calls returned (bench/vs_trl.py _count_generated)"
+                       for k in COSTS if costs[k] is not None})
     if costs["generated_tokens"] is None and order and all("completion_len" in steps[s] for s in order):
         costs["generated_tokens"] = int(round(sum(steps[s]["completion_len"] for s in order)
                                               * spec["rollouts_per_step"]))
@@ -427,7 +442,7 @@ def summarize(spec: dict, run_dir: Path, info: dict, measured: dict) -> dict:
         "loadavg_before": measured["loadavg_before"], "loadavg_after": measured["loadavg_after"],
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    for key in ("trl", "logprob_head", "reward_s"):
+    for key in ("trl", "logprob_head", "reward_s", "kept_prompts"):
         if info.get(key) is not None:
             rec[key] = info[key]
     return rec

@@ -428,14 +428,37 @@ def trl_config_kwargs(cfg, group: int, steps: int, output_dir: str, use_cpu: boo
     )
 
 
-def worker_trl(spec: dict) -> dict:
-    """A TRL arm: GRPOTrainer on the same model, data, reward and schedule; eval with basis-lite's evaluate()."""
-    try:
-        import trl
-        import trl.trainer.utils as trl_utils
-        from trl import GRPOConfig, GRPOTrainer
-    except ImportError:
-        raise SystemExit(f"trl is not installed: {INSTALL_HINT}") from None
+def a2po_config_kwargs(cfg, steps: int, output_dir: str, use_cpu: bool, samples: int, beta1: float) -> dict:
+    """A2POConfig keyword arguments that mirror the basis-lite config: the same rollouts per step (B prompts x 1
+    completion), micro-batches, sampling, optimizer settings; `samples` reference completions per prompt for V*
+    (num_value_samples) at `beta1`, and basis-lite's train.astar_beta as the loss's beta2."""
+    t, g = cfg.train, cfg.generation
+    rollouts, micro = t.batch_size, t.micro_batch_size
+    if rollouts % micro:
+        raise ConfigError(f"train.batch_size={rollouts} is not a multiple of train.micro_batch_size={micro}")
+    return dict(
+        output_dir=output_dir, use_cpu=use_cpu, seed=t.seed, max_steps=steps,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=rollouts // micro,
+        max_completion_length=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or None,
+        num_value_samples=samples, beta1=beta1, beta2=t.astar_beta, filter_all_incorrect=True,
+        learning_rate=t.lr, max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_steps,  # informational: the scheduler itself comes from basis-lite (optimizers=)
+        bf16=False, fp16=False, gradient_checkpointing=cfg.model.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, remove_unused_columns=False,
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+    )
+
+
+def _trl_run(spec: dict, prompts_needed: int | None = None):
+    """What both TRL arms share, as a namespace: the config, threads, device and dtype; the model + LoRA built by
+    basis-lite after the same seed (the same initial adapter) with its optimizer and scheduler; `evaluate_now` (the
+    eval train() runs) and its `points`; `dataset`: the training prompts in the order basis-lite's sampler draws them
+    (one epoch, or the first `prompts_needed`) with their "answer" column; `reward`: basis-lite's scorer as a TRL
+    reward function; `timing` (counters of the current step, zeroed at its start) and `StepClock`, a callback that
+    times each optimizer step, reward scoring left out, into `clocks` and `per_step`, and runs the evals between
+    steps."""
+    from types import SimpleNamespace
+
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -448,112 +471,208 @@ def worker_trl(spec: dict) -> dict:
 
     make_engine, make_optimizer, make_scheduler, seed_everything = (
         basis_lite_function(n) for n in ("make_engine", "make_optimizer", "make_scheduler", "seed_everything"))
-
-    cfg = load_config(spec["preset"], spec["overrides"])
-    group, steps, eval_every = spec["group"], cfg.train.steps, spec["eval_every"]
+    run = SimpleNamespace(cfg=load_config(spec["preset"], spec["overrides"]), clocks=[], per_step=[])
+    cfg = run.cfg
+    steps, eval_every = cfg.train.steps, spec["eval_every"]
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)  # as train() does; 0 leaves torch's default (all cores)
-    threads = torch.get_num_threads()
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    logprob_head = "TRL's Triton kernel"
-    if trl_utils._ChunkedLogProbFunction is None or device.type == "cpu":
-        TorchLogProbHead.chunk_size = cfg.train.logprob_chunk_size
-        trl_utils._ChunkedLogProbFunction = TorchLogProbHead  # read by TRL's fused forward at each call
-        logprob_head = (f"basis-lite's chunked_token_logprobs (chunks of {cfg.train.logprob_chunk_size} tokens) in "
-                        f"place of TRL's Triton kernel, which needs triton and a GPU")
+    run.threads = torch.get_num_threads()
+    run.device = resolve_device(cfg.device)
+    run.dtype = resolve_dtype(cfg.model.dtype, run.device)
     train_ex = load_examples(cfg.data, "train")
     eval_ex = _limit_eval(load_examples(cfg.data, "eval"), spec.get("eval_limit"))
     seed_everything(cfg.train.seed)  # the order train() uses: seed, then model + LoRA (same initial adapter)
-    model, tok = load_policy(cfg, device, dtype)
-    engine = make_engine(cfg, model, tok)  # eval only: TRL generates its rollouts itself
-    progress = spec["progress"]
+    run.model, run.tok = load_policy(cfg, run.device, run.dtype)
+    engine = make_engine(cfg, run.model, run.tok)  # eval only: TRL generates its rollouts itself
 
     def evaluate_now(desc: str) -> dict:  # the call train() makes for its evals
-        return evaluate(engine, tok, eval_ex, cfg.data, max_new_tokens=cfg.train.eval_max_new_tokens,
+        return evaluate(engine, run.tok, eval_ex, cfg.data, max_new_tokens=cfg.train.eval_max_new_tokens,
                         require_boxed=cfg.reward.require_boxed, batch_size=cfg.train.eval_batch_size,
-                        progress=progress, desc=desc)
+                        progress=spec["progress"], desc=desc)
 
-    points = [_eval_point(0, 0.0, evaluate_now("eval (before)"))]
-    # the training prompts in the order basis-lite's sampler draws them (one full epoch)
+    run.evaluate_now = evaluate_now
+    run.points = [_eval_point(0, 0.0, evaluate_now("eval (before)"))]
     order = next(PromptSampler(train_ex, len(train_ex), seed=cfg.train.seed))
-    dataset = Dataset.from_dict({"prompt": [format_prompt(tok, ex.question, cfg.data) for ex in order],
-                                 "answer": [ex.answer for ex in order]})
-    scorer = RewardScorer(cfg.reward)
-    timing = {"reward_s": 0.0, "generation_s": 0.0, "reward_sum": 0.0, "reward_n": 0}
+    if prompts_needed:
+        order = [order[i % len(order)] for i in range(prompts_needed)]
+    run.dataset = Dataset.from_dict({"prompt": [format_prompt(run.tok, ex.question, cfg.data) for ex in order],
+                                     "answer": [ex.answer for ex in order]})
+    run.scorer = RewardScorer(cfg.reward)
+    timing = run.timing = {"reward_s": 0.0, "generation_s": 0.0, "reward_sum": 0.0, "reward_n": 0}
 
-    def basis_lite_reward(prompts, completions, answer, **kwargs):
+    def reward(prompts, completions, answer, **kwargs):
         t0 = time.perf_counter()
-        total = scorer(list(prompts), list(completions), list(answer)).total
+        total = run.scorer(list(prompts), list(completions), list(answer)).total
         timing["reward_s"] += time.perf_counter() - t0
         timing["reward_sum"] += sum(total)
         timing["reward_n"] += len(total)
         return total
 
-    per_step: list[dict] = []
-    clocks: list[float] = []
-    conf_kwargs = trl_config_kwargs(cfg, group, steps, str(Path(spec["run_dir"]) / "trl_output"),
-                                    use_cpu=device.type == "cpu")
+    run.reward = reward
 
     class StepClock(TrainerCallback):
         """Times each optimizer step (generation + reward + update) and runs the evals outside that time."""
 
         def on_step_begin(self, args, state, control, **kwargs):
-            timing.update(reward_s=0.0, generation_s=0.0, reward_sum=0.0, reward_n=0)
+            timing.update({k: 0.0 if isinstance(v, float) else 0 for k, v in timing.items()})
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             step_s = time.perf_counter() - self.t0
             clock = step_s - timing["reward_s"]
-            clocks.append(clock)
+            run.clocks.append(clock)
             step = state.global_step
-            per_step.append({"step": step, "step_s": round(step_s, 4), "reward_s": round(timing["reward_s"], 4),
-                             "generation_s": round(timing["generation_s"], 4),
-                             "update_s": round(clock - timing["generation_s"], 4),
-                             "reward_mean": timing["reward_sum"] / max(1, timing["reward_n"]),
-                             "threads": torch.get_num_threads()})
+            counters = {k: v for k, v in timing.items() if k.endswith("_tokens")}
+            run.per_step.append({"step": step, "step_s": round(step_s, 4), "reward_s": round(timing["reward_s"], 4),
+                                 "generation_s": round(timing["generation_s"], 4),
+                                 "update_s": round(clock - timing["generation_s"], 4),
+                                 "reward_mean": timing["reward_sum"] / max(1, timing["reward_n"]),
+                                 "threads": torch.get_num_threads(), **counters})
             print(f"[{spec['arm']}] step {step}/{steps}: clock {clock:.1f}s (generation {timing['generation_s']:.1f}s, "
                   f"update {clock - timing['generation_s']:.1f}s; reward {timing['reward_s']:.2f}s not counted), "
-                  f"reward {per_step[-1]['reward_mean']:.3f}", flush=True)
+                  f"reward {run.per_step[-1]['reward_mean']:.3f}", flush=True)
             if eval_every and step % eval_every == 0 and step < steps:
-                points.append(_eval_point(step, sum(clocks), evaluate_now(f"eval (step {step})")))
+                run.points.append(_eval_point(step, sum(run.clocks), evaluate_now(f"eval (step {step})")))
 
-    optimizer = make_optimizer(cfg, model, device)
-    scheduler = make_scheduler(cfg, optimizer)
-    trainer = GRPOTrainer(model=model, reward_funcs=basis_lite_reward, args=GRPOConfig(**conf_kwargs),
-                          train_dataset=dataset, processing_class=tok, callbacks=[StepClock()],
-                          optimizers=(optimizer, scheduler))
+    run.StepClock = StepClock
+    run.optimizer = make_optimizer(cfg, run.model, run.device)
+    run.scheduler = make_scheduler(cfg, run.optimizer)
+    return run
+
+
+def _trl_train(run, trainer, spec: dict) -> dict:
+    """trainer.train() with the thread count basis-lite uses, the final eval, the adapter and TRL's log saved; the
+    result fields both TRL arms return."""
+    import torch
+
+    torch.set_num_threads(run.threads)  # whatever the trainer's setup did, train with the thread count basis-lite uses
+    t0 = time.time()
+    try:
+        trainer.train()
+    finally:
+        run.scorer.close()
+    wall = time.time() - t0
+    run.points.append(_eval_point(run.cfg.train.steps, sum(run.clocks), run.evaluate_now("eval (after)"), final=True))
+    run.model.save_pretrained(Path(spec["run_dir"]) / "adapter")
+    history = [h for h in trainer.state.log_history if "loss" in h or "reward" in h]
+    (Path(spec["run_dir"]) / "trl_log_history.json").write_text(json.dumps(history, indent=1, default=float))
+    gen = sum(p["generation_s"] for p in run.per_step)
+    return {"points": run.points, "step_clocks": run.clocks, "generation_s": round(gen, 3),
+            "update_s": round(sum(run.clocks) - gen, 3),
+            "reward_s": round(sum(p["reward_s"] for p in run.per_step), 3), "per_step": run.per_step,
+            "dtype": str(run.dtype).replace("torch.", ""),
+            "base_weight_dtype": str(next(p for p in run.model.parameters() if not p.requires_grad).dtype),
+            "threads": run.threads, "threads_during_steps": sorted({p["threads"] for p in run.per_step}),
+            "process_train_wall_s": round(wall, 1), "history": history}
+
+
+def worker_trl(spec: dict) -> dict:
+    """A TRL arm: GRPOTrainer on the same model, data, reward and schedule; eval with basis-lite's evaluate()."""
+    try:
+        import trl
+        import trl.trainer.utils as trl_utils
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError:
+        raise SystemExit(f"trl is not installed: {INSTALL_HINT}") from None
+
+    run = _trl_run(spec)
+    cfg, group = run.cfg, spec["group"]
+    logprob_head = "TRL's Triton kernel"
+    if trl_utils._ChunkedLogProbFunction is None or run.device.type == "cpu":
+        TorchLogProbHead.chunk_size = cfg.train.logprob_chunk_size
+        trl_utils._ChunkedLogProbFunction = TorchLogProbHead  # read by TRL's fused forward at each call
+        logprob_head = (f"basis-lite's chunked_token_logprobs (chunks of {cfg.train.logprob_chunk_size} tokens) in "
+                        f"place of TRL's Triton kernel, which needs triton and a GPU")
+    conf_kwargs = trl_config_kwargs(cfg, group, cfg.train.steps, str(Path(spec["run_dir"]) / "trl_output"),
+                                    use_cpu=run.device.type == "cpu")
+    trainer = GRPOTrainer(model=run.model, reward_funcs=run.reward, args=GRPOConfig(**conf_kwargs),
+                          train_dataset=run.dataset, processing_class=run.tok, callbacks=[run.StepClock()],
+                          optimizers=(run.optimizer, run.scheduler))
     generate = trainer._generate
 
     def timed_generate(*args, **kwargs):
         t0 = time.perf_counter()
         out = generate(*args, **kwargs)
-        timing["generation_s"] += time.perf_counter() - t0
+        run.timing["generation_s"] += time.perf_counter() - t0
         return out
 
     trainer._generate = timed_generate  # generation time, for the split in the table (the clock does not need it)
-    torch.set_num_threads(threads)  # whatever the trainer's setup did, train with the thread count basis-lite uses
-    t0 = time.time()
-    try:
-        trainer.train()
-    finally:
-        scorer.close()
-    wall = time.time() - t0
-    points.append(_eval_point(steps, sum(clocks), evaluate_now("eval (after)"), final=True))
-    model.save_pretrained(Path(spec["run_dir"]) / "adapter")
-    history = [h for h in trainer.state.log_history if "loss" in h or "reward" in h]
-    (Path(spec["run_dir"]) / "trl_log_history.json").write_text(json.dumps(history, indent=1, default=float))
-    zero_std = [h["frac_reward_zero_std"] for h in history if "frac_reward_zero_std" in h]
-    gen = sum(p["generation_s"] for p in per_step)
-    return {"points": points, "step_clocks": clocks, "generation_s": round(gen, 3),
-            "update_s": round(sum(clocks) - gen, 3), "reward_s": round(sum(p["reward_s"] for p in per_step), 3),
-            "per_step": per_step, "dtype": str(dtype).replace("torch.", ""),
-            "base_weight_dtype": str(next(p for p in model.parameters() if not p.requires_grad).dtype),
-            "threads": threads, "threads_during_steps": sorted({p["threads"] for p in per_step}),
-            "frac_groups_zero_std": round(sum(zero_std) / len(zero_std), 4) if zero_std else None,
-            "process_train_wall_s": round(wall, 1), "trl_config": {k: v for k, v in conf_kwargs.items()
-                                                                   if k != "output_dir"},
+    res = _trl_train(run, trainer, spec)
+    zero_std = [h["frac_reward_zero_std"] for h in res.pop("history") if "frac_reward_zero_std" in h]
+    return {**res, "frac_groups_zero_std": round(sum(zero_std) / len(zero_std), 4) if zero_std else None,
+            "trl_config": {k: v for k, v in conf_kwargs.items() if k != "output_dir"},
             "trl": trl.__version__, "logprob_head": logprob_head, **peak_rss_mb()}
+
+
+def _count_generated(generate, eos_ids: list[int], timing: dict | None, counts: dict):
+    """`generate` wrapped: each call's prompt tokens (attention mask, once per returned sequence) and completion
+    tokens (up to and including the first stop token) added to `counts`, its seconds to timing["generation_s"]."""
+    import torch
+
+    def wrapped(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = generate(*args, **kwargs)
+        if timing is not None:
+            timing["generation_s"] += time.perf_counter() - t0
+        if args or "input_ids" not in kwargs or "attention_mask" not in kwargs:
+            return out  # not A2PO's call (its calls pass the tokenizer's output as keywords)
+        mask = kwargs["attention_mask"]
+        completion = out[:, kwargs["input_ids"].shape[1]:]
+        stop = torch.isin(completion, torch.tensor(eos_ids, device=completion.device))
+        first = torch.where(stop.any(1), stop.int().argmax(1) + 1, torch.full_like(stop[:, 0], completion.shape[1],
+                                                                                   dtype=torch.long))
+        counts["prompt_tokens"] += int(mask.sum()) * (out.shape[0] // mask.shape[0])
+        counts["generated_tokens"] += int(first.sum())
+        return out
+
+    return wrapped
+
+
+def worker_a2po(spec: dict) -> dict:
+    """TRL's A*-PO trainer (trl.experimental.a2po.A2POTrainer) on the same model, data, reward and schedule, with
+    spec["prior_samples"] reference samples per training prompt: Stage 1 (V* from the reference policy) timed and its
+    tokens counted as the run's reference cost, Stage 2 steps timed like the GRPO arm's; eval with basis-lite's
+    evaluate(). Its training set is the prompts basis-lite's sampler would draw in the run (steps x B), as the astar
+    arm samples them; A2PO shuffles them itself and drops those whose samples all scored 0."""
+    try:
+        import trl
+        from trl.experimental.a2po import A2POConfig, A2POTrainer
+    except ImportError:
+        raise SystemExit(f"trl with trl.experimental.a2po is not installed: {INSTALL_HINT}") from None
+    from basis_lite.estimators.reference_options import astar_options
+
+    probe = load_config(spec["preset"], spec["overrides"])
+    run = _trl_run(spec, prompts_needed=probe.train.steps * probe.train.batch_size)
+    cfg = run.cfg
+    run.timing.update(prompt_tokens=0, generated_tokens=0)
+    conf_kwargs = a2po_config_kwargs(cfg, cfg.train.steps, str(Path(spec["run_dir"]) / "trl_output"),
+                                     run.device.type == "cpu", spec["prior_samples"],
+                                     float(astar_options(cfg.estimator.options)["beta"]))
+    trainer = A2POTrainer(model=run.model, reward_funcs=run.reward, args=A2POConfig(**conf_kwargs),
+                          train_dataset=run.dataset, processing_class=run.tok, callbacks=[run.StepClock()],
+                          optimizers=(run.optimizer, run.scheduler))
+    reference = {"prompt_tokens": 0, "generated_tokens": 0}
+    ref = trainer.accelerator.unwrap_model(trainer.ref_model)
+    ref.generate = _count_generated(ref.generate, trainer.eos_token_ids, None, reference)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    policy.generate = _count_generated(policy.generate, trainer.eos_token_ids, run.timing, run.timing)
+    stage1 = trainer._estimate_optimal_values
+
+    def timed_stage1():
+        t0 = time.perf_counter()
+        stage1()
+        reference["seconds"] = time.perf_counter() - t0
+
+    trainer._estimate_optimal_values = timed_stage1
+    res = _trl_train(run, trainer, spec)
+    res.pop("history")
+    if not reference["generated_tokens"]:
+        raise RuntimeError("A2PO's Stage 1 generated no counted tokens: its reference model's generate was not the "
+                           "one wrapped (bench/vs_trl.py worker_a2po needs updating for this TRL)")
+    return {**res, "reference": reference, "kept_prompts": len(trainer.train_dataset),
+            "trl_config": {k: v for k, v in conf_kwargs.items() if k != "output_dir"},
+            "trl": trl.__version__, "logprob_head": "TRL A2PO's own (full logits, selective_log_softmax)",
+            **peak_rss_mb()}
 
 
 def worker(spec_path: str) -> int:

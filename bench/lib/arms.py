@@ -27,7 +27,9 @@ class Arm:
     wide: bool = False  # B prompts x group rollouts (group x the rollouts per step) instead of B/group prompts
     settings: tuple[str, ...] = ()  # more overrides, applied after the estimator's
     prior_samples: int | None = 0  # estimator.prior_samples; None = the caller's K (learning.py --prior-samples)
-    external: str = ""  # "trl": TRL's GRPOTrainer with `group` generations per prompt (bench/vs_trl.py's worker)
+    # "trl": TRL's GRPOTrainer with `group` generations per prompt; "trl_a2po": TRL's A2POTrainer with
+    # `prior_samples` reference samples per prompt (bench/vs_trl.py's workers)
+    external: str = ""
     color: str | None = None
 
 
@@ -59,6 +61,9 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
         "its least-squares loss, 1 rollout/prompt", prior_samples=ASTAR_K, color="tab:brown"),
     Arm("trl8", "TRL GRPOTrainer", f"TRL GRPOTrainer, {GROUP} generations/prompt (same model, data, reward, "
         "schedule)", group=GROUP, external="trl", color="black"),
+    Arm("trl_a2po", "TRL A2POTrainer", f"TRL's A*-PO trainer (trl.experimental.a2po): V* from {ASTAR_K} reference "
+        "samples per prompt (counted in its cost), its least-squares loss, 1 completion/prompt (same model, data, "
+        "reward, schedule)", prior_samples=ASTAR_K, external="trl_a2po", color="sienna"),
     # EAPO (bench/learning.py only: hard_eapo reads eapo_prior's adapter)
     Arm("eapo_prior", "basis", "BASIS on the preset's levels: the EAPO prior adapter", color="tab:olive"),
     Arm("hard", "basis", "BASIS on the hard levels, no injection", color="tab:brown"),

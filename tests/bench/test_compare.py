@@ -256,3 +256,23 @@ def test_trl_arm_runs_through_vs_trl_worker(tmp_path):
     assert s["trained_tokens"] == s["prompt_tokens"] + s["generated_tokens"] > s["generated_tokens"] > 0
     assert "TRL's log" in s["cost_source"]["trained_tokens"] and s["trl"]
     assert s["explained_variance_mean"] is None and s["accuracy_after"] is not None and s["peak_rss_mb"] > 100
+
+
+def test_trl_a2po_arm_runs_through_vs_trl_worker(tmp_path):
+    """TRL's A2POTrainer as an arm: its Stage 1 (8 reference samples per prompt) timed into the clock and its tokens
+    into reference_tokens, its steps' tokens counted from what its generate calls returned."""
+    pytest.importorskip("trl.experimental.a2po")
+    folder = tmp_path / "a2po-cmp"
+    proc = _run(_args(folder, tmp_path / "work" / "a2po-cmp", arms=("trl_a2po",), seeds=(0,), steps=1))
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    s = _summary(folder, "trl_a2po", 0)
+    assert set(FIELDS) <= set(s)
+    assert (s["prompts_per_step"], s["rollouts_per_prompt"], s["estimator"]) == (8, 1, "TRL A2POTrainer")
+    assert s["reference_s"] > 0 and s["reference_cached"] is False
+    assert s["clock_s"] == pytest.approx(s["generation_s"] + s["update_s"] + s["reference_s"], abs=2e-3)
+    # Stage 1 sampled 8 completions of each of the run's 8 prompts, up to the preset's 12 new tokens each
+    assert 8 * 8 <= s["reference_tokens"] <= 8 * 8 * 12
+    assert 8 <= s["generated_tokens"] <= 8 * 12
+    assert s["trained_tokens"] == s["prompt_tokens"] + s["generated_tokens"]
+    assert "A2PO's generate" in s["cost_source"]["trained_tokens"] and s["trl"]
+    assert 1 <= s["kept_prompts"] <= 8 and s["accuracy_after"] is not None

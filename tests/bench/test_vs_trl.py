@@ -127,3 +127,39 @@ def test_quick_flags_do_not_touch_the_results_folder(vs, tmp_path):
     args = vs.parse_args(["--steps", "5", "--arms", "basis,trl4"])
     assert args.out == ROOT / "bench" / "results" / "vs_trl" and args.arms == ["basis", "trl4"]
     assert args.eval_limit is None
+
+
+def test_a2po_mapping(vs):
+    """A2POConfig takes every mapped argument, and they mirror the basis-lite config."""
+    pytest.importorskip("trl.experimental.a2po")
+    from trl.experimental.a2po import A2POConfig
+
+    from basis_lite.config import ConfigError, load_config
+
+    cfg = load_config("cpu-smollm2-arith", ["train.batch_size=32", "train.micro_batch_size=4", "generation.top_k=0"])
+    kw = vs.a2po_config_kwargs(cfg, 20, "out", True, 8, 0.5)
+    conf = A2POConfig(**kw)
+    assert (conf.per_device_train_batch_size, conf.gradient_accumulation_steps, conf.max_steps) == (4, 8, 20)
+    assert (conf.num_value_samples, conf.beta1, conf.beta2) == (8, 0.5, cfg.train.astar_beta)
+    assert conf.top_k is None and conf.temperature == cfg.generation.temperature
+    assert conf.max_completion_length == cfg.generation.max_new_tokens and conf.learning_rate == cfg.train.lr
+    with pytest.raises(ConfigError, match="multiple of train.micro_batch_size=4"):
+        vs.a2po_config_kwargs(load_config("cpu-smollm2-arith", ["train.batch_size=30", "train.micro_batch_size=4"]),
+                              20, "out", True, 8, 0.5)
+
+
+def test_generate_counter_counts_to_the_first_stop_token(vs):
+    import torch
+
+    def fake_generate(input_ids, attention_mask, **kwargs):  # 2 prompts x 2 samples, 4 new tokens each
+        new = torch.tensor([[5, 9, 2, 2], [5, 5, 5, 5], [9, 2, 7, 7], [2, 0, 0, 0]])
+        return torch.cat([input_ids.repeat_interleave(2, 0), new], dim=1)
+
+    counts, timing = {"prompt_tokens": 0, "generated_tokens": 0}, {"generation_s": 0.0}
+    gen = vs._count_generated(fake_generate, [2], timing, counts)
+    ids = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    gen(input_ids=ids, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    # completions: 3 (stop at the 3rd), 4 (never stops), 2, 1 tokens; prompts: (2 + 3) x 2 samples
+    assert counts == {"prompt_tokens": 10, "generated_tokens": 10} and timing["generation_s"] > 0
+    gen(ids, attention_mask=ids)  # a positional call (not A2PO's): passed through, not counted
+    assert counts["generated_tokens"] == 10
