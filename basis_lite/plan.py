@@ -23,14 +23,15 @@ a small built-in table of known models: nothing is downloaded) and the config:
                         inputs) + one layer's full activations + one dequantised 16-bit weight; on the CPU a layer
                         also keeps its attention kernel's per-key tensors and, over a 16-bit base, peft's fp32
                         input copies (layer_activation_bytes), and the heap keeps freed buffers around them
-                        (CPU_HEAP_FACTOR x the activations, fitted to measured whole-job peaks)
+                        (CPU_HEAP_FACTOR x the activations, the least that bounds the measured whole-job peaks)
     log-prob chunk      logprob_chunk_size x vocab x LOGPROB_BYTES_PER_LOGIT (fp32 logits and softmax; the frozen
                         head's gradient is found in the forward: bench/logprob_memory.py measures the factor)
     generation          by the memory model of the engine the run builds (EngineSpec.memory, engines/__init__.py):
                         kv_cache (hf): the KV cache of one generate() batch, 2 x layers x kv_heads x head_dim x bytes
-                        x sequences x seq, plus the fast CPU path's weight copies (fast_cpu); gpu_share (vLLM): its
-                        gpu_memory_utilization share of the card (Unsloth shares the base weights with it; plain
-                        vLLM holds its own 16-bit copy of the base inside that share)
+                        x sequences x seq, the larger of a rollout batch and an eval batch (eval_batch_size greedy
+                        rows of the prompt room + eval_max_new_tokens), plus the fast CPU path's weight copies
+                        (fast_cpu); gpu_share (vLLM): its gpu_memory_utilization share of the card (Unsloth shares
+                        the base weights with it; plain vLLM holds its own 16-bit copy of the base inside that share)
 
 Generation and training do not overlap in time, so the peak is the larger of the two phases, except that vLLM keeps
 its share between rollouts (unless Unsloth's standby mode frees the KV cache while training).
@@ -50,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .config import Config, ConfigError, load_config, preset_path
+from .config.keys import prompt_budget
 from .engines import EngineSpec, select_engine
 from .model.shape import ModelShape, model_shape
 from .rl.optimizers import OPTIMIZERS, resolve_optimizer
@@ -60,9 +62,10 @@ CUDA_CONTEXT_GIB = 0.5
 # (bench/cpu_step.py's "process baseline", bench/results/cpu_step/)
 CPU_RUNTIME_GIB = 0.44
 # glibc keeps the update's freed buffers in the heap for reuse, so a CPU update peaks above its live tensors: this
-# share of the activation estimate, fitted to the whole-job peaks of bench/results/scaling-wordproblems/ (default
-# job, 128 and 256 new tokens, 16-64 rollouts, 135M and 360M shapes)
-CPU_HEAP_FACTOR = 0.5
+# share of the activation estimate, the smallest that keeps the estimate at or above every measured whole-job peak
+# in bench/results/ (scaling-wordproblems: 48-256 new tokens, 16-64 rollouts, 135M and 360M shapes; the comparison
+# runs of default-dev, default-confirm and wordproblems-confirm, whose 320-token rows fill most of max_seq_length)
+CPU_HEAP_FACTOR = 1.0
 LOGPROB_BYTES_PER_LOGIT = 9  # one log-prob chunk's forward + backward per logit, rounded up (bench/results/logprob_memory)
 VLLM_BUFFERS_GIB = 0.4  # vLLM's own activations / sampler / CUDA-graph pool when the card size is unknown
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax per 64 + fp32 absmax per 256 blocks
@@ -153,9 +156,10 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
     s = _Sizing(cfg, shape, cuda, _dtype_bytes(cfg, cuda), gpus, gpu_memory_gb,
                 select_engine(cfg, backend, "cuda" if cuda else "cpu"))
     weights = held_parts(s)
+    held = sum(s.parts.values())
     train_phase = training_phase(s)
     gen_phase, keeps_share = GENERATION_PHASE[s.engine.memory](s, weights)
-    total = peak(s, train_phase, gen_phase, keeps_share)
+    total = peak(s, held, train_phase, gen_phase, keeps_share)
     general_notes(s, backend)
     return Plan(parts=s.parts, total=total, shape=shape, shape_source=shape_source, notes=s.notes,
                 problems=s.problems, cuda=cuda, engine=s.engine.description)
@@ -231,17 +235,30 @@ def layer_activation_bytes(shape: ModelShape, db: int, T: int, cuda: bool) -> fl
 
 
 def kv_cache_phase(s: _Sizing, weights: float) -> tuple[float, bool]:
-    """Memory model kv_cache: one generate() call's KV cache and last-position logits (and, for the fast CPU
-    path, its weight copies), freed before the update. Returns (GiB, kept while training: False)."""
+    """Memory model kv_cache: the larger of a rollout generate() call's and an eval generate() call's KV cache and
+    last-position logits (the eval decodes min(train.eval_batch_size, data.eval_size) greedy rows of the prompt
+    room plus train.eval_max_new_tokens), and for the fast CPU path its weight copies, freed before the update.
+    Returns (GiB, kept while training: False)."""
     cfg, shape, T = s.cfg, s.shape, s.cfg.model.max_seq_length
     g = cfg.estimator.rollouts_per_prompt
     per_call = min(max(1, cfg.generation.batch_size // max(1, g)) * g, s.seqs)
     rows = per_call * (2 if cfg.eapo.prior_adapter else 1)  # EAPO decodes policy and prior rows together
-    kv = rows * T * shape.kv_bytes_per_token(s.db)
-    logits = rows * shape.vocab * 4 * 2  # last-position logits + the sampling copy
+
+    def kv_and_logits(n: int, tokens: int) -> float:
+        return (n * tokens * shape.kv_bytes_per_token(s.db) + n * shape.vocab * 4 * 2) / GIB  # logits + sampling copy
+
     eapo = " x 2 rows for EAPO" if rows != per_call else ""
-    s.parts[f"generation: HF KV cache ({per_call} sequences{eapo} x {T} tokens)"] = (kv + logits) / GIB
-    gen = (kv + logits) / GIB
+    gen = kv_and_logits(rows, T)
+    s.parts[f"generation: HF KV cache ({per_call} sequences{eapo} x {T} tokens)"] = gen
+    eval_rows = min(cfg.train.eval_batch_size, cfg.data.eval_size)
+    if eval_rows:
+        t_eval = prompt_budget(cfg) + cfg.train.eval_max_new_tokens
+        ev = kv_and_logits(eval_rows, t_eval)
+        s.parts[f"eval: HF KV cache ({eval_rows} greedy sequences x {t_eval} tokens; not with the rollouts')"] = ev
+        if ev > gen:
+            s.notes.append(f"the eval's generate() batch ({eval_rows} x {t_eval} tokens, {ev:.2f} GiB) holds more than "
+                           f"a rollout batch's ({gen:.2f} GiB); a smaller train.eval_batch_size lowers it")
+        gen = max(gen, ev)
     if s.engine.weight_copies:
         copies, how = fast_cpu_copies(shape, s.db, cfg.lora.r, cfg.lora.target_modules)
         s.parts[f"generation: fast CPU path's weight copies ({how})"] = copies / GIB
@@ -312,9 +329,8 @@ def gpu_share_phase(s: _Sizing, weights: float) -> tuple[float, bool]:
 GENERATION_PHASE = {"kv_cache": kv_cache_phase, "gpu_share": gpu_share_phase}
 
 
-def peak(s: _Sizing, train_phase: float, gen_phase: float, keeps_share: bool) -> float:
-    """The total: the held parts plus the larger phase, or both phases when generation keeps its memory."""
-    held = sum(s.parts.values()) - train_phase - gen_phase
+def peak(s: _Sizing, held: float, train_phase: float, gen_phase: float, keeps_share: bool) -> float:
+    """The total: the `held` parts plus the larger phase, or both phases when generation keeps its memory."""
     if not keeps_share:
         s.notes.append(f"generation ({gen_phase:.2f} GiB) and training ({train_phase:.2f} GiB) do not overlap: the "
                        "peak counts the larger phase only")
@@ -465,8 +481,8 @@ def format_plan(name: str, cfg: Config, plan: Plan, card: float | None, card_sou
 PLAN_FOOTER = ("Estimates come from the model shape and the config (see basis_lite/plan.py). On a GPU they are checked "
                "against ONE measured run only (bench/results/gpu_step: an H200, hf backend and engine, Qwen2.5-1.5B "
                "shape); the vLLM engine's share is NOT YET CHECKED on a GPU. bench/gpu_step.py measures more. On the "
-               "CPU a test keeps them between 1x and 1.45x the whole-job peaks measured in "
-               "bench/results/scaling-wordproblems/.")
+               "CPU a test keeps them between 1x and 1.7x the whole-job peaks measured in "
+               "bench/results/ (scaling-wordproblems and the comparison runs).")
 
 
 def plan_for(preset: str | None = None, overrides: Sequence[str] = (), gpu_memory: float | None = None,

@@ -449,14 +449,14 @@ def a2po_config_kwargs(cfg, steps: int, output_dir: str, use_cpu: bool, samples:
     )
 
 
-def _trl_run(spec: dict, prompts_needed: int | None = None):
+def _trl_run(spec: dict, run_prompts_only: bool = False):
     """What both TRL arms share, as a namespace: the config, threads, device and dtype; the model + LoRA built by
     basis-lite after the same seed (the same initial adapter) with its optimizer and scheduler; `evaluate_now` (the
     eval train() runs) and its `points`; `dataset`: the training prompts in the order basis-lite's sampler draws them
-    (one epoch, or the first `prompts_needed`) with their "answer" column; `reward`: basis-lite's scorer as a TRL
-    reward function; `timing` (counters of the current step, zeroed at its start) and `StepClock`, a callback that
-    times each optimizer step, reward scoring left out, into `clocks` and `per_step`, and runs the evals between
-    steps."""
+    (one epoch, or with `run_prompts_only` the steps x train.batch_size a run draws) with their "answer" column;
+    `reward`: basis-lite's scorer as a TRL reward function; `timing` (counters of the current step, zeroed at its
+    start) and `StepClock`, a callback that times each optimizer step, reward scoring left out, into `clocks` and
+    `per_step`, and runs the evals between steps."""
     from types import SimpleNamespace
 
     import torch
@@ -493,8 +493,8 @@ def _trl_run(spec: dict, prompts_needed: int | None = None):
     run.evaluate_now = evaluate_now
     run.points = [_eval_point(0, 0.0, evaluate_now("eval (before)"))]
     order = next(PromptSampler(train_ex, len(train_ex), seed=cfg.train.seed))
-    if prompts_needed:
-        order = [order[i % len(order)] for i in range(prompts_needed)]
+    if run_prompts_only:
+        order = [order[i % len(order)] for i in range(steps * cfg.train.batch_size)]
     run.dataset = Dataset.from_dict({"prompt": [format_prompt(run.tok, ex.question, cfg.data) for ex in order],
                                      "answer": [ex.answer for ex in order]})
     run.scorer = RewardScorer(cfg.reward)
@@ -641,8 +641,7 @@ def worker_a2po(spec: dict) -> dict:
         raise SystemExit(f"trl with trl.experimental.a2po is not installed: {INSTALL_HINT}") from None
     from basis_lite.estimators.reference_options import astar_options
 
-    probe = load_config(spec["preset"], spec["overrides"])
-    run = _trl_run(spec, prompts_needed=probe.train.steps * probe.train.batch_size)
+    run = _trl_run(spec, run_prompts_only=True)
     cfg = run.cfg
     run.timing.update(prompt_tokens=0, generated_tokens=0)
     conf_kwargs = a2po_config_kwargs(cfg, cfg.train.steps, str(Path(spec["run_dir"]) / "trl_output"),

@@ -197,6 +197,33 @@ def test_model_shape_dataclass_describe():
     assert "params" in s.describe() and s.kv_bytes_per_token(2) == 2 * 1 * 1 * 4 * 2
 
 
+def test_the_eval_batch_is_a_generation_phase_of_its_own():
+    """The HF engine's eval decodes min(eval_batch_size, eval_size) rows of the prompt room + eval_max_new_tokens:
+    its KV cache is counted by those, and the generation phase is the larger of the eval's and the rollouts'."""
+    from basis_lite.config import load_config
+    from basis_lite.model.shape import KNOWN_SHAPES
+    from basis_lite.plan import GIB, build_plan
+
+    shape = KNOWN_SHAPES["smollm2-135m"]
+    base = ["model.dtype=float32", "model.max_seq_length=160", "generation.max_new_tokens=48"]
+
+    def plan(extra):
+        return build_plan(load_config("cpu-smollm2-arith", base + extra), shape=shape, shape_source="test")
+
+    p = plan(["train.eval_batch_size=150", "data.eval_size=150", "train.eval_max_new_tokens=48"])
+    (key,) = [k for k in p.parts if k.startswith("eval: HF KV cache")]
+    assert "150 greedy sequences x 160 tokens" in key
+    assert p.parts[key] == pytest.approx((150 * 160 * shape.kv_bytes_per_token(4) + 150 * shape.vocab * 8) / GIB)
+    # 320 eval tokens: the prompt room (160 - 48) + 320; fewer rows than the batch when the eval set is smaller
+    longer = plan(["train.eval_batch_size=150", "data.eval_size=100", "train.eval_max_new_tokens=320"])
+    assert any(k.startswith("eval: HF KV cache (100 greedy sequences x 432 tokens") for k in longer.parts)
+    assert longer.total > p.total and any("smaller train.eval_batch_size" in n for n in longer.notes)
+    # an eval smaller than a rollout batch does not raise the peak; no eval, no eval part
+    tiny = plan(["train.eval_batch_size=1"])
+    none = plan(["data.eval_size=0"])
+    assert not any(k.startswith("eval:") for k in none.parts) and tiny.total == pytest.approx(none.total)
+
+
 def test_eapo_doubles_the_hf_generation_rows():
     """EAPO injection decodes a prior row beside every policy row: the HF generation phase holds twice the KV cache
     and logits."""
@@ -275,20 +302,32 @@ def test_cpu_activation_estimate_matches_autograds_saved_tensors(dtype):
 
 
 def test_cpu_plan_bounds_the_measured_whole_job_peaks():
-    """`basis-lite plan` on the CPU against the whole-job peak RSS bench/cost_scaling.py measured for basis-lite at
-    each committed point (budget 48-256 tokens, 16-64 rollouts, SmolLM2-135M and -360M shapes): never below it, and
-    at most 45 % above (every micro-batch is sized at model.max_seq_length; real prompts are shorter)."""
+    """`basis-lite plan` on the CPU against whole-job peak RSS measured on this kind of machine: bench/cost_scaling.py's
+    points (budget 48-256 tokens, 16-64 rollouts, SmolLM2-135M and -360M shapes) and every basis-lite run of the
+    committed comparisons (default-dev, default-confirm: 48 tokens; wordproblems-confirm: 320). Never below a
+    measured peak, and at most 70 % above (every micro-batch is sized at model.max_seq_length, the eval's KV cache
+    at its full length; real rows are shorter)."""
     import json
     from pathlib import Path
 
     from basis_lite.model.shape import KNOWN_SHAPES
 
-    points = sorted((Path(__file__).resolve().parent.parent / "bench/results/scaling-wordproblems/points").glob("*.json"))
+    results = Path(__file__).resolve().parent.parent / "bench/results"
+    points = sorted((results / "scaling-wordproblems/points").glob("*.json"))
     assert len(points) >= 7
     for f in points:
         rec = json.loads(f.read_text())
         overrides = [o for o in rec["overrides"] if not o.startswith(("model.name=shapes:", "reward.functions="))]
+        overrides.append("train.eval_batch_size=1")  # the points' evals held one problem (cost_scaling --eval-limit 1)
         shape = KNOWN_SHAPES[rec["model"].split(":")[1]] if rec["model"].startswith("shapes:") else None
         plan = build_plan(load_config(rec["preset"], overrides), shape=shape, shape_source="test")
         measured = rec["arms"]["basis"]["peak_rss_mb"] / 1024
-        assert measured <= plan.total <= 1.45 * measured, (f.name, plan.total, measured)
+        assert measured <= plan.total <= 1.7 * measured, (f.name, plan.total, measured)
+    runs = [json.loads(f.read_text()) for name in ("default-dev", "default-confirm", "wordproblems-confirm")
+            for f in sorted((results / name / "runs").glob("*/seed*/summary.json"))]
+    runs = [s for s in runs if not s["arm"].startswith("trl")]  # TRL's trainers: not what the plan estimates
+    assert len(runs) >= 60 and any(s["overrides"].count("generation.max_new_tokens=320") for s in runs)
+    for s in runs:
+        plan = build_plan(load_config(s["preset"], s["overrides"]))
+        measured = s["peak_rss_mb"] / 1024
+        assert measured <= plan.total <= 1.7 * measured, (s["arm"], s["seed"], plan.total, measured)
