@@ -144,9 +144,10 @@ def pareto(points: dict[str, tuple[float, float]]) -> list[str]:
 
 
 def load_runs(folder: Path) -> dict[str, dict[int, dict]]:
-    """{arm: {seed: run}} of every finished run (summary.json present): run = {summary, points}, points = the eval
-    points with step, accuracy, clock (reference samples + generation + update up to that step) and tokens
-    (reference samples + tokens generated up to that step)."""
+    """{arm: {seed: run}} of every finished run (summary.json present): run = {summary, points, cut_off}, points =
+    the eval points with step, accuracy, clock (reference samples + generation + update up to that step) and tokens
+    (reference samples + tokens generated up to that step); cut_off = the mean over steps of the share of rollouts
+    that hit the completion budget (metrics.jsonl clipped_fraction; None where the trainer writes none)."""
     runs: dict[str, dict[int, dict]] = {}
     for path in sorted((folder / "runs").glob("*/seed*/summary.json")):
         s = json.loads(path.read_text())
@@ -164,7 +165,9 @@ def load_runs(folder: Path) -> dict[str, dict[int, dict]]:
             c, t = at.get(int(e["step"]), at[max(k for k in at if k <= int(e["step"]))])
             points.append({"step": int(e["step"]), "final": e.get("event") == "eval_final",
                            "accuracy": e["eval_accuracy"], "clock_s": c, "tokens": t})
-        runs.setdefault(s["arm"], {})[int(s["seed"])] = {"summary": s, "points": points}
+        cut = [st["clipped_fraction"] for st in steps.values() if st.get("clipped_fraction") is not None]
+        runs.setdefault(s["arm"], {})[int(s["seed"])] = {"summary": s, "points": points,
+                                                         "cut_off": sum(cut) / len(cut) if cut else None}
     return runs
 
 
@@ -213,6 +216,7 @@ def analyze(runs: dict, targets=TARGETS) -> dict:
                                                        "trained_tokens", "prompt_tokens", "reference_tokens",
                                                        "peak_rss_mb", "explained_variance_mean")},
             "peak_rss_mb_max": max((s["peak_rss_mb"] for s in ss if s.get("peak_rss_mb") is not None), default=None),
+            "cut_off": mean_present(rs[k]["cut_off"] for k in sorted(rs)),
             "curve": curve,
             "targets": {},
         }
@@ -288,7 +292,7 @@ def _signed(x) -> str:
 
 def part_accuracy(rep: dict) -> str:
     head = ["arm", "prompts x rollouts", "rollouts", "seeds", "before", "after (mean ± SE)", "after by level",
-            "clock", "tokens generated", "tokens trained", "peak RSS", "explained variance"]
+            "clock", "tokens generated", "tokens trained", "cut off", "peak RSS", "explained variance"]
     rows = []
     for a in rep["order"]:
         p = rep["arms"][a]
@@ -298,7 +302,8 @@ def part_accuracy(rep: dict) -> str:
                                              else "")
         rows.append([a, f"{p['prompts_per_step']} x {p['rollouts_per_prompt']}", p["rollouts"], p["n"],
                      _acc(p["accuracy_before"]), after, lv, fmt_seconds(p["clock_s"]), gen,
-                     _tok(p["trained_tokens"]), _mb(p["peak_rss_mb"]),
+                     _tok(p["trained_tokens"]), "-" if p.get("cut_off") is None else f"{100 * p['cut_off']:.1f} %",
+                     _mb(p["peak_rss_mb"]),
                      "-" if p["explained_variance_mean"] is None else f"{p['explained_variance_mean']:+.2f}"])
     return markdown_table(head, rows)
 
@@ -368,7 +373,8 @@ def markdown(name: str, rep: dict) -> str:
              "## Accuracy at equal rollouts", "", part_accuracy(rep), "",
              "Clock: generation + update seconds summed over the steps, plus reference samples drawn before training "
              "(no eval, load or start-up time). Tokens generated: the rollouts' completion tokens (+ reference "
-             "samples). Peak RSS: the training process's, from the kernel (ru_maxrss).", "",
+             "samples). Cut off: the share of rollouts that hit the completion budget (clipped_fraction), the mean over "
+             "steps and seeds. Peak RSS: the training process's, from the kernel (ru_maxrss).", "",
              "## Paired by seed against basis", "", part_paired(rep), "",
              "## Cost to reach a held-out accuracy", "", part_targets(rep), "",
              "## Pareto frontier", "", part_pareto(rep), "",

@@ -40,6 +40,7 @@ def _write_run(cmp, tmp: Path, folder: Path, arm: str, seed: int, accs: list[flo
     lines = [{"step": 0, "event": "eval", "eval_accuracy": accs[0], "eval_n": 150, "eval_accuracy_level1": accs[0]}]
     for step in (1, 2):
         lines.append({"step": step, "generation_s": 2.0, "training_s": 1.0, "explained_variance": 0.1 * step,
+                      "clipped_fraction": 0.25 * (step - 1),
                       "completion_len": 12.5, "prompt_tokens": 400, "generated_tokens": 100, "trained_tokens": 450,
                       "cum_reference_tokens": reference[0]})
         lines.append({"step": step, "event": "eval" if step == 1 else "eval_final", "eval_accuracy": accs[step],
@@ -130,6 +131,9 @@ def test_report_files_and_blocks_and_check(rp, folder, tmp_path, capsys):
     assert "| grpo8 | 5 | +0.004 | [-0.030, +0.038] | 0.33 | tie ([-0.030, +0.038]) |" in md
     assert "| rloo2 | 5 | -0.040 | [-0.060, -0.020] | -5.66 | behind |" in md
     assert "| basis | 8 x 1 | 16 | 5 | 0.300 | 0.610 ± 0.010 | 1: 0.610 |" in md
+    # cut off: steps 1 and 2 clip 0 % and 25 % of their rollouts, 12.5 % on average over steps and seeds
+    assert rp.analyze(rp.load_runs(folder))["arms"]["basis"]["cut_off"] == pytest.approx(0.125)
+    assert "| 12.5 % | 1502 MB |" in md
     assert (folder / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((folder / "report.json").read_text())["paired"]["rloo2"]["verdict"] == "behind"
     text = page.read_text()
