@@ -305,7 +305,7 @@ def test_cpu_plan_bounds_the_measured_whole_job_peaks():
     """`basis-lite plan` on the CPU against whole-job peak RSS measured on this kind of machine: bench/cost_scaling.py's
     points (budget 48-256 tokens, 16-64 rollouts, SmolLM2-135M and -360M shapes) and every basis-lite run of the
     committed comparisons (default-dev, default-confirm: 48 tokens; wordproblems-confirm: 320). Never below a
-    measured peak, and at most 70 % above (every micro-batch is sized at model.max_seq_length, the eval's KV cache
+    measured peak, and at most 80 % above (every micro-batch is sized at model.max_seq_length, the eval's KV cache
     at its full length; real rows are shorter)."""
     import json
     from pathlib import Path
@@ -322,7 +322,7 @@ def test_cpu_plan_bounds_the_measured_whole_job_peaks():
         shape = KNOWN_SHAPES[rec["model"].split(":")[1]] if rec["model"].startswith("shapes:") else None
         plan = build_plan(load_config(rec["preset"], overrides), shape=shape, shape_source="test")
         measured = rec["arms"]["basis"]["peak_rss_mb"] / 1024
-        assert measured <= plan.total <= 1.7 * measured, (f.name, plan.total, measured)
+        assert measured <= plan.total <= 1.8 * measured, (f.name, plan.total, measured)
     runs = [json.loads(f.read_text()) for name in ("default-dev", "default-confirm", "wordproblems-confirm")
             for f in sorted((results / name / "runs").glob("*/seed*/summary.json"))]
     runs = [s for s in runs if not s["arm"].startswith("trl")]  # TRL's trainers: not what the plan estimates
@@ -330,4 +330,4 @@ def test_cpu_plan_bounds_the_measured_whole_job_peaks():
     for s in runs:
         plan = build_plan(load_config(s["preset"], s["overrides"]))
         measured = s["peak_rss_mb"] / 1024
-        assert measured <= plan.total <= 1.7 * measured, (s["arm"], s["seed"], plan.total, measured)
+        assert measured <= plan.total <= 1.8 * measured, (s["arm"], s["seed"], plan.total, measured)

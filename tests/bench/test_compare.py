@@ -244,14 +244,20 @@ def test_one_harness_trains_at_a_time(cmp, tmp_path, capsys):
     assert rc == 2 and "one training process at a time" in capsys.readouterr().err
 
 
+def _one_step_of(arm: str, tmp_path: Path) -> dict:
+    """The summary.json of one 1-step run of `arm` (seed 0) through the harness, with every field a run records."""
+    folder = tmp_path / f"{arm}-cmp"
+    proc = _run(_args(folder, tmp_path / "work" / f"{arm}-cmp", arms=(arm,), seeds=(0,), steps=1))
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    s = _summary(folder, arm, 0)
+    assert set(FIELDS) <= set(s)
+    return s
+
+
 def test_trl_arm_runs_through_vs_trl_worker(tmp_path):
     """TRL's GRPOTrainer (G=8) as an arm: the same summary fields, its token counts from TRL's own log."""
     pytest.importorskip("trl")
-    folder = tmp_path / "trl-cmp"
-    proc = _run(_args(folder, tmp_path / "work" / "trl-cmp", arms=("trl8",), seeds=(0,), steps=1))
-    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    s = _summary(folder, "trl8", 0)
-    assert set(FIELDS) <= set(s)
+    s = _one_step_of("trl8", tmp_path)
     assert (s["prompts_per_step"], s["rollouts_per_prompt"], s["estimator"]) == (1, 8, "TRL GRPOTrainer")
     assert s["trained_tokens"] == s["prompt_tokens"] + s["generated_tokens"] > s["generated_tokens"] > 0
     assert "TRL's log" in s["cost_source"]["trained_tokens"] and s["trl"]
@@ -262,11 +268,7 @@ def test_trl_a2po_arm_runs_through_vs_trl_worker(tmp_path):
     """TRL's A2POTrainer as an arm: its Stage 1 (8 reference samples per prompt) timed into the clock and its tokens
     into reference_tokens, its steps' tokens counted from what its generate calls returned."""
     pytest.importorskip("trl.experimental.a2po")
-    folder = tmp_path / "a2po-cmp"
-    proc = _run(_args(folder, tmp_path / "work" / "a2po-cmp", arms=("trl_a2po",), seeds=(0,), steps=1))
-    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    s = _summary(folder, "trl_a2po", 0)
-    assert set(FIELDS) <= set(s)
+    s = _one_step_of("trl_a2po", tmp_path)
     assert (s["prompts_per_step"], s["rollouts_per_prompt"], s["estimator"]) == (8, 1, "TRL A2POTrainer")
     assert s["reference_s"] > 0 and s["reference_cached"] is False
     assert s["clock_s"] == pytest.approx(s["generation_s"] + s["update_s"] + s["reference_s"], abs=2e-3)
