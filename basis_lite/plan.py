@@ -255,7 +255,7 @@ def kv_cache_phase(s: _Sizing, weights: float) -> tuple[float, bool]:
     if eval_rows:
         t_eval = prompt_budget(cfg) + cfg.train.eval_max_new_tokens
         ev = kv_and_logits(eval_rows, t_eval)
-        s.parts[f"eval: HF KV cache ({eval_rows} greedy sequences x {t_eval} tokens; not with the rollouts')"] = ev
+        s.parts[f"eval: HF KV cache ({eval_rows} greedy sequences x {t_eval} tokens, between steps)"] = ev
         if ev > gen:
             s.notes.append(f"the eval's generate() batch ({eval_rows} x {t_eval} tokens, {ev:.2f} GiB) holds more than "
                            f"a rollout batch's ({gen:.2f} GiB); a smaller train.eval_batch_size lowers it")
