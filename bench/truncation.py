@@ -109,9 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.report:
-        doc = json.loads((args.report / "truncation.json").read_text())
-        (args.report / "truncation.md").write_text(report(doc))
-        print(report(doc))
+        text = report(json.loads((args.report / "truncation.json").read_text()))
+        (args.report / "truncation.md").write_text(text)
+        print(text)
         return 0
     if args.out is None:
         ap.error("--out FOLDER is needed (or --report FOLDER)")
@@ -122,9 +122,9 @@ def main(argv=None) -> int:
     if not budgets or budgets[0] < 1:
         ap.error(f"--budgets: expected positive token counts, got {args.budgets!r}")
     from basis_lite.config import DEFAULT_PRESET, load_config
+    from basis_lite.config.keys import prompt_budget
 
-    base = load_config(args.preset or DEFAULT_PRESET, args.set)
-    room = base.model.max_seq_length - base.generation.max_new_tokens  # the preset's prompt room, kept
+    room = prompt_budget(load_config(args.preset or DEFAULT_PRESET, args.set))  # the preset's prompt room, kept
     cfg = load_config(args.preset or DEFAULT_PRESET, args.set + [
         f"generation.max_new_tokens={budgets[-1]}", f"train.eval_max_new_tokens={budgets[-1]}",
         f"model.max_seq_length={room + budgets[-1]}"])
@@ -147,8 +147,9 @@ def main(argv=None) -> int:
            "machine": with_load_after(machine), "parts": parts}
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "truncation.json", doc)
-    (args.out / "truncation.md").write_text(report(doc))
-    print(report(doc))
+    text = report(doc)
+    (args.out / "truncation.md").write_text(text)
+    print(text)
     return 0
 
 

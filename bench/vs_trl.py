@@ -399,27 +399,21 @@ def basis_lite_function(name: str):
     raise RuntimeError(f"basis_lite has no {name}() in runtime, update or trainer: bench/vs_trl.py needs updating")
 
 
-def trl_config_kwargs(cfg, group: int, steps: int, output_dir: str, use_cpu: bool) -> dict:
-    """GRPOConfig keyword arguments that mirror the basis-lite config (see the module docstring)."""
+def _trainer_kwargs(cfg, steps: int, output_dir: str, use_cpu: bool) -> dict:
+    """The TRL config keyword arguments both TRL arms share, mirroring the basis-lite config: B = train.batch_size
+    rollouts per optimizer step in micro-batches of train.micro_batch_size, the sampling, the optimizer settings,
+    no autocast, logging every step, nothing saved."""
     t, g = cfg.train, cfg.generation
-    rollouts = t.batch_size  # basis-lite's rollouts per step: batch_size prompts x 1
-    micro = t.micro_batch_size
-    if rollouts % group:
-        raise ConfigError(f"train.batch_size={rollouts} is not a multiple of {group}: TRL with G={group} needs "
-                          f"{rollouts}/{group} whole prompts per step")
+    rollouts, micro = t.batch_size, t.micro_batch_size  # basis-lite's rollouts per step: batch_size prompts x 1
     if rollouts % micro:
         raise ConfigError(f"train.batch_size={rollouts} is not a multiple of train.micro_batch_size={micro}")
     return dict(
         output_dir=output_dir, use_cpu=use_cpu, seed=t.seed, max_steps=steps,
-        # rollouts per optimizer step = per_device_train_batch_size (completions) x gradient_accumulation_steps;
-        # generation_batch_size defaults to that, so one generate() of all rollouts per optimizer step
+        # rollouts per optimizer step = per_device_train_batch_size (completions) x gradient_accumulation_steps
         per_device_train_batch_size=micro, gradient_accumulation_steps=rollouts // micro,
-        num_generations=group, num_iterations=1, shuffle_dataset=False,
-        max_completion_length=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+        max_completion_length=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
         learning_rate=t.lr, max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay,
         warmup_steps=t.warmup_steps,  # informational: the scheduler itself comes from basis-lite (optimizers=)
-        beta=t.kl_coef, epsilon=t.clip_low, epsilon_high=t.clip_high, loss_type="dapo",
-        mask_truncated_completions=False, entropy_coef=0.0, top_entropy_quantile=1.0,  # entropy: a metric only
         # the model arrives in the resolved dtype; no mixed-precision autocast on top (basis-lite has none)
         bf16=False, fp16=False,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
@@ -428,24 +422,29 @@ def trl_config_kwargs(cfg, group: int, steps: int, output_dir: str, use_cpu: boo
     )
 
 
+def trl_config_kwargs(cfg, group: int, steps: int, output_dir: str, use_cpu: bool) -> dict:
+    """GRPOConfig keyword arguments that mirror the basis-lite config (see the module docstring); generation_batch_size
+    defaults to the rollouts per optimizer step, so one generate() of all rollouts per step."""
+    t = cfg.train
+    if t.batch_size % group:
+        raise ConfigError(f"train.batch_size={t.batch_size} is not a multiple of {group}: TRL with G={group} needs "
+                          f"{t.batch_size}/{group} whole prompts per step")
+    return dict(
+        _trainer_kwargs(cfg, steps, output_dir, use_cpu), top_k=cfg.generation.top_k,
+        num_generations=group, num_iterations=1, shuffle_dataset=False,
+        beta=t.kl_coef, epsilon=t.clip_low, epsilon_high=t.clip_high, loss_type="dapo",
+        mask_truncated_completions=False, entropy_coef=0.0, top_entropy_quantile=1.0,  # entropy: a metric only
+    )
+
+
 def a2po_config_kwargs(cfg, steps: int, output_dir: str, use_cpu: bool, samples: int, beta1: float) -> dict:
     """A2POConfig keyword arguments that mirror the basis-lite config: the same rollouts per step (B prompts x 1
     completion), micro-batches, sampling, optimizer settings; `samples` reference completions per prompt for V*
     (num_value_samples) at `beta1`, and basis-lite's train.astar_beta as the loss's beta2."""
-    t, g = cfg.train, cfg.generation
-    rollouts, micro = t.batch_size, t.micro_batch_size
-    if rollouts % micro:
-        raise ConfigError(f"train.batch_size={rollouts} is not a multiple of train.micro_batch_size={micro}")
     return dict(
-        output_dir=output_dir, use_cpu=use_cpu, seed=t.seed, max_steps=steps,
-        per_device_train_batch_size=micro, gradient_accumulation_steps=rollouts // micro,
-        max_completion_length=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or None,
-        num_value_samples=samples, beta1=beta1, beta2=t.astar_beta, filter_all_incorrect=True,
-        learning_rate=t.lr, max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay,
-        warmup_steps=t.warmup_steps,  # informational: the scheduler itself comes from basis-lite (optimizers=)
-        bf16=False, fp16=False, gradient_checkpointing=cfg.model.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, remove_unused_columns=False,
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        _trainer_kwargs(cfg, steps, output_dir, use_cpu), top_k=cfg.generation.top_k or None,  # A2PO: None = off
+        num_value_samples=samples, beta1=beta1, beta2=cfg.train.astar_beta, filter_all_incorrect=True,
+        remove_unused_columns=False,
     )
 
 
