@@ -37,8 +37,11 @@ COMPARED = ("reward_mean", "accuracy", "baseline_mean", "advantage_std", "explai
 def _torchrun(log_dir: Path, run_dir: Path, args: list[str], **env) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "tests" / "dist_entry.py"), str(log_dir), str(run_dir), *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT, e.g. "terminate called without an active exception" from a
+    # C++ thread torn down while joinable, seen once in a full suite run) prints every thread's Python stack, so the
+    # failure message shows where it happened
+    return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(PYTHONFAULTHANDLER=1, **env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _finish(p: subprocess.Popen, timeout: float = 240) -> SimpleNamespace:
