@@ -251,8 +251,8 @@ def analyze(runs: dict, targets=TARGETS) -> dict:
             "load_1min": {k: [min(v), max(v)] if v else None for k, v in (
                 ("before", [s["loadavg_before"][0] for s in every if s.get("loadavg_before")]),
                 ("after", [s["loadavg_after"][0] for s in every if s.get("loadavg_after")]))},
-            "settings": {k: every[0].get(k) for k in ("preset", "steps", "eval_every", "eval_set", "eval_n")}
-            if every else {},
+            "settings": {**{k: every[0].get(k) for k in ("preset", "steps", "eval_every", "eval_set", "eval_n")},
+                         "overrides": _common_overrides(every)} if every else {},
             "cost_source": sorted({f"{k}: {v}" for s in every for k, v in (s.get("cost_source") or {}).items()
                                    if not v.startswith(("metrics.jsonl ", "no reference samples"))})}
 
@@ -358,13 +358,26 @@ def block_text(rep: dict, part: str | None) -> str:
     return PART_TEXT[part](rep)
 
 
+# overrides every run carries that the report's first line states in its own words
+_SAID = ("train.steps=", "train.eval_every=", "data.eval_set=")
+
+
+def _common_overrides(every: list[dict]) -> list[str]:
+    """The `--set` overrides that every run of the comparison shares (the task, budgets, ...), in the first run's
+    order; the per-arm and per-seed ones (estimator, batch, seed) differ between runs and drop out."""
+    shared = set.intersection(*(set(s.get("overrides") or []) for s in every))
+    return [o for o in every[0].get("overrides") or [] if o in shared and not o.startswith(_SAID)]
+
+
 def markdown(name: str, rep: dict) -> str:
     st = rep["settings"]
     eval_set = {0: "development (data.eval_set 0)", 1: "confirmation (data.eval_set 1)"}.get(st.get("eval_set"),
                                                                                             st.get("eval_set"))
     seeds = sorted({k for p in rep["arms"].values() for k in p["seeds"]})
     lines = [f"# Comparison {name}", "",
-             f"Preset `{st.get('preset')}`, {st.get('steps')} steps, held-out greedy eval on {st.get('eval_n')} "
+             f"Preset `{st.get('preset')}`"
+             + (" with " + ", ".join(f"`{o}`" for o in st["overrides"]) if st.get("overrides") else "")
+             + f", {st.get('steps')} steps, held-out greedy eval on {st.get('eval_n')} "
              f"problems of the {eval_set} set every {st.get('eval_every')} steps; seeds {', '.join(map(str, seeds))}. "
              f"Commit {', '.join(c[:12] for c in rep['commits'])}"
              + (" (with uncommitted changes: not reproducible from the commit alone)" if rep["dirty"] else "")

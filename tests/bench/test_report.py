@@ -182,3 +182,17 @@ def test_machines_are_listed_apart_with_their_arms_and_kernel_level(rp):
     assert len(capped) == 1 and capped[0].endswith(": basis, trl8")
     assert any("without avx512f" in m and m.endswith("kernels at AVX2: basis") for m in lines)
     assert any(m.endswith("kernels at AVX512: grpo8") for m in lines)
+
+
+def test_the_first_line_names_the_overrides_every_run_shares(rp):
+    """A comparison run with `--set data.dataset=...` says so in report.md's first line; the per-arm and per-seed
+    overrides (estimator, batch, seed), and those the line states in its own words, are left out."""
+    every = [{"overrides": ["train.seed=0", "data.dataset=wordproblems", "train.steps=20", "estimator.name=basis"]},
+             {"overrides": ["train.seed=1", "data.dataset=wordproblems", "train.steps=20", "estimator.name=grpo"]}]
+    assert rp._common_overrides(every) == ["data.dataset=wordproblems"]
+    assert rp._common_overrides([{"overrides": []}, {}]) == []
+    # the committed wordproblems comparison (report.md equal to what the raw files give: the test above)
+    runs = rp.load_runs(REPO / "bench" / "results" / "wordproblems-confirm")
+    first = rp.markdown("wordproblems-confirm", rp.analyze(runs)).splitlines()[2]
+    assert first.startswith("Preset `cpu-smollm2-arith` with `data.dataset=wordproblems`, "), first
+    assert "generation.max_new_tokens=320" in first and "estimator.name" not in first and "train.seed" not in first
