@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import os
@@ -161,24 +162,32 @@ def _step_probe(dtype: torch.dtype, probe: dict):
     return one_round
 
 
-def cpu_step_probe_pair(dtypes: tuple = (torch.bfloat16, torch.float32), probe: dict = STEP_PROBE,
+def cpu_step_probe_pair(dtypes: tuple = (torch.float32, torch.bfloat16), probe: dict = STEP_PROBE,
                         rounds: int = PROBE_ROUNDS) -> dict:
     """{dtype name: milliseconds of each part of the scaled-down step, and their weighted sum under "total"}.
 
     The parts: a prefill of [rows, tokens] prompts (one lm_head row each), `decode_steps` single-token steps with
     the KV cache, and one LoRA micro-batch forward+backward through `sequence_logprobs` (the trainer's chunked
-    log-prob head) with the last `completion` positions scored. Every dtype's model is built and warmed up first,
-    then the timed rounds alternate between the dtypes and each part keeps its best round: a burst of load from
-    elsewhere on the machine slows one round of each, not one dtype's whole measurement. The global RNG is left as
-    it was."""
-    runs = {str(d).replace("torch.", ""): _step_probe(d, probe) for d in dtypes}
-    for run in runs.values():
-        run()  # warm-up: kernel selection, weight packing, allocator
-    best: dict = {name: {} for name in runs}
+    log-prob head) with the last `completion` positions scored. The timed rounds alternate between the dtypes and
+    each part keeps its best round: a burst of load from elsewhere on the machine slows one round of each, not one
+    dtype's whole measurement. Only one probe model is alive at a time: every round builds each dtype's model in
+    turn and frees it after timing it (both models alive together, with their buffers, made the probe the peak of a
+    user's first job); each dtype's first build is warmed up once before it is timed (kernel selection, allocator).
+    The float32 model goes first: the heap its larger buffers leave behind holds the bf16 model's. The global RNG is
+    left as it was."""
+    best: dict = {str(d).replace("torch.", ""): {} for d in dtypes}
+    warmed: set = set()
     for _ in range(rounds):
-        for name, run in runs.items():
+        for d in dtypes:
+            name = str(d).replace("torch.", "")
+            run = _step_probe(d, probe)
+            if name not in warmed:
+                run()
+                warmed.add(name)
             for part, sec in run().items():
                 best[name][part] = min(best[name].get(part, float("inf")), sec)
+            del run
+            gc.collect()  # the model goes before the next one is built
     out = {}
     for name, parts in best.items():
         ms = {k: 1e3 * v for k, v in parts.items()}

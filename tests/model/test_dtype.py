@@ -5,6 +5,7 @@ real timings once."""
 from __future__ import annotations
 
 import logging
+import weakref
 
 import pytest
 import torch
@@ -75,23 +76,37 @@ def test_the_step_probe_times_prefill_decode_and_training_and_leaves_the_rng_alo
     assert ms["total"] == pytest.approx(sum(w[k] * ms[k] for k in w))
 
 
-def test_the_probe_alternates_the_dtypes_rounds_and_keeps_each_parts_best(monkeypatch):
-    """Both dtypes are warmed up, then their timed rounds alternate (a burst of load elsewhere slows one round of
-    each, not one dtype's whole measurement), and each part keeps its fastest round."""
-    order = []
-    seconds = {torch.bfloat16: iter([9, 0.5, 3, 0.2, 1.0]), torch.float32: iter([9, 0.4, 0.6, 0.8, 2.0])}
+def test_the_probe_alternates_the_dtypes_rounds_with_one_model_alive_at_a_time(monkeypatch):
+    """The timed rounds alternate between the dtypes (a burst of load elsewhere slows one round of each, not one
+    dtype's whole measurement), each part keeps its fastest round, each dtype's first model is warmed up once, and
+    no two probe models are alive together: each is built for its round and freed before the next one is built."""
+    events, alive, most = [], set(), [0]
+    seconds = {torch.float32: iter([9, 0.4, 0.6, 0.8]), torch.bfloat16: iter([9, 0.5, 3, 0.2])}
+
+    class Model:
+        pass
 
     def fake_step_probe(dtype, probe):
+        model = Model()
+        alive.add(id(model))
+        weakref.finalize(model, alive.discard, id(model))
+        most[0] = max(most[0], len(alive))
+        events.append(("build", dtype))
+
         def one_round():
-            order.append(dtype)
+            assert model is not None  # the round's closure holds its model, as the real one does
+            events.append(("run", dtype))
             s = next(seconds[dtype])
             return {"prefill": s, "decode": 2 * s, "train": 3 * s}
         return one_round
 
     monkeypatch.setattr(dtypes, "_step_probe", fake_step_probe)
     ms = dtypes.cpu_step_probe_pair(rounds=3)
-    bf, fp = torch.bfloat16, torch.float32
-    assert order == [bf, fp, bf, fp, bf, fp, bf, fp]  # warm-ups, then three alternating rounds
+    fp, bf = torch.float32, torch.bfloat16
+    assert events == [("build", fp), ("run", fp), ("run", fp), ("build", bf), ("run", bf), ("run", bf),
+                      ("build", fp), ("run", fp), ("build", bf), ("run", bf),
+                      ("build", fp), ("run", fp), ("build", bf), ("run", bf)]
+    assert most[0] == 1 and not alive
     assert ms["bfloat16"]["prefill"] == pytest.approx(200) and ms["float32"]["train"] == pytest.approx(1200)
     w = dtypes.STEP_PROBE["weights"]
     assert ms["float32"]["total"] == pytest.approx(w["prefill"] * 400 + w["decode"] * 800 + w["train"] * 1200)
