@@ -33,6 +33,9 @@ a small built-in table of known models: nothing is downloaded) and the config:
                         (fast_cpu); gpu_share (vLLM): its gpu_memory_utilization share of the card (Unsloth shares
                         the base weights with it; plain vLLM holds its own 16-bit copy of the base inside that share)
 
+On the CPU, model.dtype auto is counted in float32; where the CPU reports native bf16 a note adds the bfloat16
+total and the peak of auto's one-time dtype timing (dtype_probe_estimate).
+
 Generation and training do not overlap in time, so the peak is the larger of the two phases, except that vLLM keeps
 its share between rollouts (unless Unsloth's standby mode frees the KV cache while training).
 
@@ -45,6 +48,7 @@ Qwen2.5-1.5B-shaped model); the vLLM engine's share has never been measured on a
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
@@ -53,6 +57,7 @@ from dataclasses import dataclass, field
 from .config import Config, ConfigError, load_config, preset_path
 from .config.keys import prompt_budget
 from .engines import EngineSpec, select_engine
+from .model.cpu import STEP_PROBE, cpu_bf16_flags
 from .model.shape import ModelShape, model_shape
 from .rl.optimizers import OPTIMIZERS, resolve_optimizer
 
@@ -162,6 +167,8 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
     gen_phase, keeps_share = GENERATION_PHASE[s.engine.memory](s, weights)
     total = peak(s, held, train_phase, gen_phase, keeps_share)
     general_notes(s, backend)
+    if not cuda and cfg.model.dtype == "auto":
+        cpu_auto_dtype_note(s, total)
     return Plan(parts=s.parts, total=total, shape=shape, shape_source=shape_source, notes=s.notes,
                 problems=s.problems, cuda=cuda, engine=s.engine.description)
 
@@ -356,6 +363,43 @@ def general_notes(s: _Sizing, backend: str) -> None:
         s.notes.append("backend auto: assumed unsloth is installed on the GPU machine (else hf"
                        + (f", and the {fallback.name} engine then loads its own 16-bit base"
                           if fallback.own_base_copy else "") + ")")
+
+
+def cpu_auto_dtype_note(s: _Sizing, total: float) -> None:
+    """model.dtype auto on the CPU is counted in float32, the larger. When the CPU running the plan reports native
+    bf16, auto trains in bf16 if a one-time timing of both dtypes (cached per machine) finds it faster: the note
+    gives that total too, and the timing's own peak, which comes before a machine's first job."""
+    flags = cpu_bf16_flags()
+    if not flags:
+        s.notes.append("model.dtype auto: float32 on this CPU, which reports no native bf16 (avx512_bf16 or "
+                       "amx_bf16)")
+        return
+    bf16 = build_plan(dataclasses.replace(s.cfg, model=dataclasses.replace(s.cfg.model, dtype="bfloat16")),
+                      s.card, s.shape, gpus=s.gpus).total
+    probe = dtype_probe_estimate()
+    s.notes.append(f"model.dtype auto: counted in float32, the larger. This CPU reports {'/'.join(flags)}: auto "
+                   f"trains in bfloat16 if a one-time timing of both dtypes (cached per machine) finds it faster, "
+                   f"about {bf16:.2f} GiB then (--set model.dtype=bfloat16 prints that table). The timing runs "
+                   f"before a machine's first job and peaks at about {probe:.2f} GiB (a float32 model of the "
+                   f"built-in model's shape training one micro-batch)")
+
+
+def dtype_probe_estimate() -> float:
+    """GiB at the peak of model.dtype auto's bf16/fp32 timing (model/cpu.py STEP_PROBE, model/dtypes.py): the
+    runtime and its float32 model (the built-in model's shape, LoRA on every linear) training one micro-batch, by
+    the same arithmetic as a job's update. Its bf16 model, built after the float32 one is freed, is smaller."""
+    p = STEP_PROBE
+    shape = ModelShape("dtype probe", p["hidden"], p["layers"], p["heads"], p["kv_heads"], p["hidden"] // p["heads"],
+                       p["intermediate"], p["vocab"], True)
+    rows, tokens = p["train"]
+    cfg = load_config(None, ["model.dtype=float32", f"model.max_seq_length={tokens}", "train.micro_batch_tokens=0",
+                             f"train.micro_batch_size={rows}", "train.logprob_chunk_size=1024",
+                             f"generation.max_new_tokens={p['completion']}", f"lora.r={p['lora_r']}",
+                             "lora.target_modules=all-linear", "model.load_in_4bit=false", "device=cpu"])
+    s = _Sizing(cfg, shape, False, 4, 1, None, select_engine(cfg, "hf", "cpu"))
+    held_parts(s)
+    held = sum(s.parts.values())
+    return held + training_phase(s)
 
 
 def check_gpus(cfg: Config, gpus: int) -> None:

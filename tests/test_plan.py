@@ -331,3 +331,59 @@ def test_cpu_plan_bounds_the_measured_whole_job_peaks():
         plan = build_plan(load_config(s["preset"], s["overrides"]))
         measured = s["peak_rss_mb"] / 1024
         assert measured <= plan.total <= 1.8 * measured, (s["arm"], s["seed"], plan.total, measured)
+
+
+def _max_rss_gib(path) -> float:
+    """GiB from a committed `/usr/bin/time -v` output."""
+    m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", path.read_text())
+    assert m, path
+    return int(m.group(1)) / 2**20
+
+
+def test_cpu_auto_dtype_note_follows_the_cpus_native_bf16_flags(monkeypatch):
+    """On the CPU, dtype auto is counted in float32 either way; without native bf16 the note says float32 is what
+    runs, with it the note adds the bfloat16 table's total and the peak of auto's one-time dtype timing."""
+    import basis_lite.plan as plan
+
+    cfg = load_config(None, [])
+    assert cfg.device == "cpu" and cfg.model.dtype == "auto"
+    fp32 = build_plan(load_config(None, ["model.dtype=float32"])).total
+    bf16 = build_plan(load_config(None, ["model.dtype=bfloat16"])).total
+    assert bf16 < fp32
+
+    monkeypatch.setattr(plan, "cpu_bf16_flags", lambda: ())
+    p = build_plan(cfg)
+    note = [n for n in p.notes if n.startswith("model.dtype auto")]
+    assert p.total == pytest.approx(fp32) and len(note) == 1
+    assert "float32 on this CPU" in note[0] and "GiB" not in note[0]
+
+    monkeypatch.setattr(plan, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+    p = build_plan(cfg)
+    note = [n for n in p.notes if n.startswith("model.dtype auto")]
+    assert p.total == pytest.approx(fp32) and len(note) == 1
+    assert "avx512_bf16" in note[0] and f"about {bf16:.2f} GiB then" in note[0]
+    assert f"peaks at about {plan.dtype_probe_estimate():.2f} GiB" in note[0]
+    gpu = build_plan(load_config("gpu-8gb", []), 8.0)
+    assert not any(n.startswith("model.dtype auto") for n in gpu.notes)
+
+
+def test_bf16_and_dtype_probe_estimates_bound_the_measured_peaks():
+    """The note's two figures against the whole-job peaks (time -v) committed from a 2-core avx512_bf16 EPYC: the
+    default job in bf16 after the dtype timing was cached (default_run/v8-avx512bf16/lora-inputs), the timing alone
+    (v9-first-run/probe-after-*), and a first job, timing included (v9-first-run/first-run.txt). Never below the
+    measured peak, at most 80 % above, as for the float32 runs above."""
+    from pathlib import Path
+
+    from basis_lite.plan import dtype_probe_estimate
+
+    runs = Path(__file__).resolve().parent.parent / "bench/results/default_run"
+    bf16 = build_plan(load_config(None, ["model.dtype=bfloat16"])).total
+    probe = dtype_probe_estimate()
+    later = _max_rss_gib(runs / "v8-avx512bf16/lora-inputs/time-v.txt")
+    assert later <= bf16 <= 1.8 * later, (bf16, later)
+    probes = [_max_rss_gib(f) for f in sorted((runs / "v9-first-run").glob("probe-after-*.txt"))]
+    assert len(probes) == 2
+    for measured in probes:
+        assert measured <= probe <= 1.8 * measured, (probe, measured)
+    first = _max_rss_gib(runs / "v9-first-run/first-run.txt")
+    assert first <= max(bf16, probe) <= 1.8 * first, (bf16, probe, first)

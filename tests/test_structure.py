@@ -22,7 +22,7 @@ LAYERS = [
         "config": ["fields"],
         "data": ["tasks", "example", "formats"],
         "rewards": ["__init__", "answers"],
-        "model": ["__init__", "downloads"],
+        "model": ["__init__", "cpu", "downloads"],
         "estimators": ["trajectory_layout"],
         "rl": ["__init__"],
         "runs": ["__init__"],

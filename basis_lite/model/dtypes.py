@@ -18,6 +18,7 @@ import torch
 from ..config import cache_root
 from ..errors import ModelError
 from ..safeio import atomic_write_text, read_json
+from .cpu import STEP_PROBE, cpu_bf16_flags
 from .loading import contiguous_head_input, release_memory
 
 log = logging.getLogger("basis_lite")
@@ -86,25 +87,6 @@ class Bf16Check:
                 "model's shape)" if self.probe == "step" else "a 256x576 -> 1536 linear layer")
         return (f"{what} took {self.bf16_ms:.1f} ms in bf16 vs {self.fp32_ms:.1f} ms in fp32 here "
                 f"({self.bf16_ms / max(self.fp32_ms, 1e-9):.1f}x{', measured earlier on this machine' if self.cached else ''})")
-
-
-def cpu_bf16_flags() -> tuple[str, ...]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ()
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-    return tuple(f for f in ("avx512_bf16", "amx_bf16") if f in flags)
-
-
-# The dtype probe: the built-in SmolLM2-135M's shape (all 30 layers, its vocabulary), LoRA r=16 on every linear,
-# and the default step's parts at a reduced batch, each weighted by how often the default step runs it.
-STEP_PROBE = {"hidden": 576, "intermediate": 1536, "layers": 30, "heads": 9, "kv_heads": 3, "vocab": 49152,
-              "lora_r": 16, "prefill": (16, 48), "decode_steps": 4, "train": (4, 96), "completion": 48,
-              "weights": {"prefill": 2.0, "decode": 47 / 4 * 2.0, "train": 8.0}, "version": 2}
 
 
 PROBE_ROUNDS = 3  # timed rounds per dtype, after one warm-up each; the two dtypes' rounds alternate
