@@ -168,7 +168,7 @@ def build_plan(cfg: Config, gpu_memory_gb: float | None = None, shape: ModelShap
     total = peak(s, held, train_phase, gen_phase, keeps_share)
     general_notes(s, backend)
     if not cuda and cfg.model.dtype == "auto":
-        cpu_auto_dtype_note(s, total)
+        cpu_auto_dtype_note(s)
     return Plan(parts=s.parts, total=total, shape=shape, shape_source=shape_source, notes=s.notes,
                 problems=s.problems, cuda=cuda, engine=s.engine.description)
 
@@ -365,7 +365,7 @@ def general_notes(s: _Sizing, backend: str) -> None:
                           if fallback.own_base_copy else "") + ")")
 
 
-def cpu_auto_dtype_note(s: _Sizing, total: float) -> None:
+def cpu_auto_dtype_note(s: _Sizing) -> None:
     """model.dtype auto on the CPU is counted in float32, the larger. When the CPU running the plan reports native
     bf16, auto trains in bf16 if a one-time timing of both dtypes (cached per machine) finds it faster: the note
     gives that total too, and the timing's own peak, which comes before a machine's first job."""
