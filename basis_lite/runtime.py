@@ -28,6 +28,7 @@ from .config import Config
 from .config.keys import prompt_budget
 from .engines import select_engine
 from .errors import ConfigError, ModelError
+from .model.cpu import BF16_FLAGS_TEXT
 from .model.dtypes import resolve_device, resolve_dtype
 
 log = logging.getLogger("basis_lite")
@@ -115,7 +116,7 @@ def decide_run(cfg: Config, ranks_active: bool = False, stored: dict | None = No
                               f"bfloat16 or float32); the record is not one a run writes: put the run's own "
                               f"{DECIDED_FILE} back, or start a new run")
         if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_native_bf16():
-            raise ConfigError(f"{said}, and this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag), where bf16 "
+            raise ConfigError(f"{said}, and this CPU has no native bf16 (no {BF16_FLAGS_TEXT} flag), where bf16 "
                               "would be emulated and many times slower; a resumed run keeps its dtype, so it stops "
                               "here: resume it on a CPU with native bf16, or start a new run with model.dtype: "
                               "float32")

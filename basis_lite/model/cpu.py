@@ -1,6 +1,7 @@
 """What model.dtype auto reads about the CPU, without importing torch (so `basis-lite plan` can read it too).
 
     cpu_bf16_flags() -> ("avx512_bf16", ...)   the native-bf16 flags /proc/cpuinfo lists (empty: none, or no Linux)
+    BF16_FLAGS, BF16_FLAGS_TEXT                the flags it looks for, and "avx512_bf16/amx_bf16" for messages
     STEP_PROBE                                 the shape and batch of auto's one-time bf16/fp32 step timing
                                                (model/dtypes.py: cpu_step_probe_pair)
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+BF16_FLAGS_TEXT = "/".join(BF16_FLAGS)  # how messages name them
 
 # The dtype probe: the built-in SmolLM2-135M's shape (all 30 layers, its vocabulary), LoRA r=16 on every linear,
 # and the default step's parts at a reduced batch, each weighted by how often the default step runs it.

@@ -18,7 +18,7 @@ import torch
 from ..config import cache_root
 from ..errors import ModelError
 from ..safeio import atomic_write_text, read_json
-from .cpu import STEP_PROBE, cpu_bf16_flags
+from .cpu import BF16_FLAGS_TEXT, STEP_PROBE, cpu_bf16_flags
 from .loading import contiguous_head_input, release_memory
 
 log = logging.getLogger("basis_lite")
@@ -52,13 +52,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             check = cpu_bf16_check()
             if not check.fast:
                 log.warning("model.dtype=bfloat16 on a CPU %s: %s; model.dtype=auto would pick float32",
-                            "without native bf16 (no avx512_bf16/amx_bf16 flag)" if not check.flags
+                            f"without native bf16 (no {BF16_FLAGS_TEXT} flag)" if not check.flags
                             else "whose bf16 measured slow", check.describe())
         return dtype
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if not cpu_bf16_flags():  # nothing to confirm: no timing
-        dtype, why = torch.float32, "this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag)"
+        dtype, why = torch.float32, f"this CPU has no native bf16 (no {BF16_FLAGS_TEXT} flag)"
     else:
         check = cpu_bf16_check()
         dtype = torch.bfloat16 if check.fast else torch.float32
