@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from .config import Config, ConfigError, load_config, preset_path
 from .config.keys import prompt_budget
 from .engines import EngineSpec, select_engine
-from .model.cpu import STEP_PROBE, cpu_bf16_flags
+from .model.cpu import BF16_FLAGS_TEXT, STEP_PROBE, cpu_bf16_flags
 from .model.shape import ModelShape, model_shape
 from .rl.optimizers import OPTIMIZERS, resolve_optimizer
 
@@ -371,8 +371,8 @@ def cpu_auto_dtype_note(s: _Sizing) -> None:
     gives that total too, and the timing's own peak, which comes before a machine's first job."""
     flags = cpu_bf16_flags()
     if not flags:
-        s.notes.append("model.dtype auto: float32 on this CPU, which reports no native bf16 (avx512_bf16 or "
-                       "amx_bf16)")
+        s.notes.append(f"model.dtype auto: float32 on this CPU, which reports no native bf16 (no {BF16_FLAGS_TEXT} "
+                       "flag)")
         return
     bf16 = build_plan(dataclasses.replace(s.cfg, model=dataclasses.replace(s.cfg.model, dtype="bfloat16")),
                       s.card, s.shape, gpus=s.gpus).total
