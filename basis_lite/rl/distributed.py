@@ -401,8 +401,10 @@ class ProcessGroupRanks(Ranks):
             return
         self._closed = True
         signal.signal(signal.SIGTERM, self._old_sigterm or signal.SIG_DFL)
-        with contextlib.suppress(Exception):
+        try:
             self.dist.destroy_process_group()
+        except Exception as e:  # a group left alive is torn down at exit, where gloo may abort the process
+            log.warning("rank %d: destroy_process_group failed (%s: %s)", self.rank, type(e).__name__, e)
 
 
 def start(cfg) -> Ranks:

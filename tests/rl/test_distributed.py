@@ -209,6 +209,33 @@ def test_sigterm_while_the_failure_message_is_written_keeps_the_checkpoint_good(
     assert f"last good checkpoint is {ck}" in msg and "--resume" in msg, msg
 
 
+def test_close_names_a_failed_destroy_and_restores_sigterm(caplog):
+    """A process group that fails to close is torn down at interpreter exit, where gloo can abort the process
+    ("terminate called without an active exception"): close() says so in the log instead of hiding it, and gives
+    SIGTERM back to the handler it replaced either way."""
+    import signal
+
+    from basis_lite.rl.distributed import ProcessGroupRanks
+
+    def destroy():
+        raise RuntimeError("Connection closed by peer")
+
+    ranks = object.__new__(ProcessGroupRanks)  # close() alone: no process group
+    ranks.rank, ranks._closed, ranks.dist = 1, False, SimpleNamespace(destroy_process_group=destroy)
+    ranks._old_sigterm = old = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with caplog.at_level("WARNING", logger="basis_lite"):
+            ranks.close()
+        assert signal.getsignal(signal.SIGTERM) == old
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert "rank 1: destroy_process_group failed (RuntimeError: Connection closed by peer)" in caplog.text
+    caplog.clear()
+    ranks.close()  # a second close does nothing
+    assert not caplog.text
+
+
 def test_seeded_sampler_draws_from_the_warped_distribution():
     from basis_lite.engines.seeded import SeededSampler, stream_seed
 
