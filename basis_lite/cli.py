@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_train(args) -> int:
     from .config import load_config
     from .errors import ConfigError
-    from .rl.distributed import env_rank
+    from .rl.distributed import env_rank, exit_finished_rank, launched
     from .runs.saved import resume_config
     from .trainer import train
 
@@ -159,8 +159,14 @@ def cmd_train(args) -> int:
     else:
         cfg = load_config(args.preset, args.overrides, trl_config=args.trl_config)
         summary = train(cfg, args.output, progress=not args.no_progress)
-    if env_rank() != 0:  # under torchrun rank 0 prints the result
-        return 0
+    if env_rank() == 0:  # under torchrun rank 0 prints the result
+        _print_result(cfg, summary)
+    if launched():  # every rank has closed its process group in train()
+        exit_finished_rank(0)
+    return 0
+
+
+def _print_result(cfg, summary: dict) -> None:
     before, after = summary.get("eval_before") or {}, summary.get("eval_after")
     print()
     if not after:
@@ -174,7 +180,6 @@ def cmd_train(args) -> int:
         print(f"  level {lvl}: {b:.3f} -> {v['accuracy']:.3f} (n={v['n']})")
     print(f"adapter saved to {summary['adapter']}  ({summary['seconds'] / 60:.1f} min; metrics in "
           f"{summary['run_dir']}/metrics.jsonl)")
-    return 0
 
 
 def _sigterm(signum, frame):

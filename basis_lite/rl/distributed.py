@@ -35,9 +35,11 @@ import os
 import re
 import signal
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -52,6 +54,18 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 def launched() -> bool:
     """True inside a process that torchrun (or another torch.distributed launcher) started."""
     return all(v in os.environ for v in LAUNCHER_VARS)
+
+
+def exit_finished_rank(code: int) -> NoReturn:
+    """End a torchrun rank whose run has finished and whose process group is closed: flush what Python buffers, then
+    leave through os._exit, skipping the interpreter's teardown. There a gloo group's C++ threads can abort a rank
+    that has finished ("terminate called without an active exception", no Python frame left), and torchrun then
+    reports the finished run as failed and stops the other ranks."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def env_rank() -> int:

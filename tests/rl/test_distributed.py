@@ -209,6 +209,24 @@ def test_sigterm_while_the_failure_message_is_written_keeps_the_checkpoint_good(
     assert f"last good checkpoint is {ck}" in msg and "--resume" in msg, msg
 
 
+def test_exit_finished_rank_flushes_what_python_buffers_and_skips_teardown(tmp_path):
+    """A finished torchrun rank leaves through os._exit: its printed lines and log records still arrive (the
+    streams are pipes here, so Python buffers them), and nothing registered for the interpreter's teardown runs."""
+    code = ("import atexit, logging, sys\n"
+            "from basis_lite.rl.distributed import exit_finished_rank\n"
+            "logging.basicConfig(filename=sys.argv[1], level=logging.INFO)\n"
+            "atexit.register(print, 'teardown ran')\n"
+            "print('result line', end='')\n"
+            "print('to stderr', file=sys.stderr, end='')\n"
+            "logging.getLogger('basis_lite').info('logged')\n"
+            "exit_finished_rank(3)\n")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "log.txt")], capture_output=True, text=True,
+                         env=subprocess_env(), cwd=REPO, timeout=120)
+    assert res.returncode == 3, res.stderr[-2000:]
+    assert res.stdout == "result line" and res.stderr.endswith("to stderr"), (res.stdout, res.stderr[-2000:])
+    assert "logged" in (tmp_path / "log.txt").read_text()
+
+
 def test_close_names_a_failed_destroy_and_restores_sigterm(caplog):
     """A process group that fails to close is torn down at interpreter exit, where gloo can abort the process
     ("terminate called without an active exception"): close() says so in the log instead of hiding it, and gives
