@@ -25,7 +25,9 @@ checkouts. The comparison's settings (preset, steps, eval cadence, eval set, --s
 invocation (FOLDER/comparison.json); a later one may add arms and seeds.
 
 Resumable: a run whose summary.json exists is done and kept; any other run (interrupted, failed) starts again from
-nothing, so a run's clock and memory are always one process's. One harness trains at a time: it holds a lock on
+nothing, so a run's clock and memory are always one process's. `--stop-after MINUTES` ends an invocation between runs
+(none starts that its arm's longest finished run says would end later), and two failed runs in a row end it too (a
+broken install fails every run); the same command continues either. One harness trains at a time: it holds a lock on
 the folder above --work (runs/compare by default) while it runs.
 
 Each run leaves FOLDER/runs/<arm>/seed<k>/ with
@@ -44,6 +46,7 @@ per-step counters in metrics.jsonl; a counter the trainer does not write is deri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import math
@@ -494,6 +497,41 @@ def run_one(spec: dict, folder: Path, work: Path, tree: dict, machine: dict, kee
     return True
 
 
+def expected_wall_s(folder: Path, arm: str) -> float:
+    """How long a run of `arm` takes, from the arm's finished runs in this folder: the longest wall_s of their
+    summary.json files (0.0 when none has finished)."""
+    walls = []
+    for path in (folder / "runs" / arm).glob("seed*/" + SUMMARY):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            w = json.loads(path.read_text()).get("wall_s")
+            if isinstance(w, (int, float)) and math.isfinite(w):
+                walls.append(float(w))
+    return max(walls, default=0.0)
+
+
+def train_in_order(order, specs, folder: Path, work: Path, tree: dict, machine: dict, args):
+    """Train the runs of `order` one at a time: (failed runs, runs not started, why they were not).
+
+    Stops early, between runs, when two runs in a row failed (a broken install or machine fails every run) or when
+    --stop-after's time would be over before the next run ends by expected_wall_s (a run is never cut short)."""
+    deadline = time.monotonic() + 60 * args.stop_after if args.stop_after else None
+    failed, streak = [], 0
+    for i, (arm, seed) in enumerate(order):
+        done = is_done(run_dirs(folder, work, arm, seed)[0])
+        if not done and deadline is not None and time.monotonic() + expected_wall_s(folder, arm) > deadline:
+            left = [k for k in order[i:] if not is_done(run_dirs(folder, work, *k)[0])]
+            return failed, left, f"--stop-after {args.stop_after:g} min"
+        if run_one(specs[(arm, seed)], folder, work, tree, machine, args.keep_work):
+            streak = 0
+            continue
+        failed.append(f"{arm} seed {seed}")
+        streak += 1
+        if streak == 2 and i + 1 < len(order):
+            left = [k for k in order[i + 1:] if not is_done(run_dirs(folder, work, *k)[0])]
+            return failed, left, "two runs in a row failed"
+    return failed, [], ""
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # main
 
@@ -519,6 +557,10 @@ def parse_args(argv):
     p.add_argument("--work", type=Path, default=None, help="training folders (default runs/compare/<folder name>)")
     p.add_argument("--keep-work", action="store_true", help="keep each run's training folder (checkpoints, adapter, "
                                                             "log) after it finished")
+    p.add_argument("--stop-after", type=float, default=None, metavar="MINUTES",
+                   help="start no run after MINUTES from now, nor one that would end later by the longest finished "
+                        "run of its arm in the folder; a run in progress is never cut short (the same command "
+                        "continues the rest)")
     p.add_argument("--dry-run", action="store_true", help="check everything, print the runs in order, train nothing")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -536,6 +578,8 @@ def main(argv=None) -> int:
         if bad or not args.arms or len(set(args.arms)) != len(args.arms):
             raise CompareError(f"--arms: {','.join(bad) or args.arms} not accepted; choose distinct arms from "
                                f"{', '.join(a for a in ARMS if a not in ('eapo_prior', 'hard', 'hard_eapo'))}")
+        if args.stop_after is not None and not (math.isfinite(args.stop_after) and args.stop_after > 0):
+            raise CompareError(f"--stop-after: {args.stop_after:g}; expected a positive number of minutes")
         for name in ("steps", "eval_every"):
             v = getattr(args, name)
             if v is not None and v < 1:
@@ -571,13 +615,17 @@ def main(argv=None) -> int:
             return 2
         machine = {k: v for k, v in machine_record(PACKAGES).items()
                    if k not in ("git_commit", "git_dirty", "loadavg_before")}
-        failed = [f"{arm} seed {seed}" for arm, seed in order
-                  if not run_one(specs[(arm, seed)], folder, work, tree, machine, args.keep_work)]
+        failed, left, why = train_in_order(order, specs, folder, work, tree, machine, args)
     finally:
         lock.release()
+    if left:
+        print(f"stopped ({why}); not started: {', '.join(f'{a} seed {s}' for a, s in left)}; run the same command "
+              f"again to continue", file=sys.stderr if failed else sys.stdout, flush=True)
     if failed:
         print(f"failed: {', '.join(failed)}; run the same command again to retry them", file=sys.stderr)
         return 1
+    if left:
+        return 0
     print(f"all {len(order)} runs done; tables and plots: python bench/report.py {shown(folder)}")
     return 0
 

@@ -236,6 +236,43 @@ def test_an_interrupted_comparison_continues(smoke, tmp_path):
     assert proc.returncode == 2 and "ran on commit 000000000000" in proc.stderr
 
 
+def test_stop_after_starts_no_run_that_would_end_too_late(cmp, smoke, tmp_path, capsys):
+    """--stop-after: a run is judged by the longest finished run of its arm (summary.json's wall_s), and the
+    invocation stops before it rather than cut it short; the same command continues later."""
+    import shutil
+
+    folder, work = tmp_path / "smoke-cmp", tmp_path / "work" / "smoke-cmp"
+    shutil.copytree(smoke[0], folder)
+    walls = [_summary(folder, "reinforce_pp", s)["wall_s"] for s in SEEDS]
+    assert cmp.expected_wall_s(folder, "reinforce_pp") == max(walls) > 0
+    assert cmp.expected_wall_s(folder, "grpo8") == 0.0  # no finished run: judged 0 s
+    (folder / "runs" / "reinforce_pp" / "seed1" / "summary.json").unlink()
+    assert cmp.expected_wall_s(folder, "reinforce_pp") == walls[0]
+    (folder / "runs" / "reinforce_pp" / "seed0" / "summary.json").write_text("{not json")
+    assert cmp.expected_wall_s(folder, "reinforce_pp") == 0.0  # an unreadable summary counts for nothing
+    (folder / "runs" / "reinforce_pp" / "seed0" / "summary.json").write_text(json.dumps({"wall_s": walls[0]}))
+    rc = cmp.main(_args(folder, work) + ["--stop-after", str(walls[0] / 2 / 60)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "4 runs (2 arms x 2 seeds), 1 to train" in out
+    assert "] training" not in out and "stopped (--stop-after" in out and "not started: reinforce_pp seed 1" in out
+    assert not (folder / "runs" / "reinforce_pp" / "seed1" / "summary.json").exists()  # nothing trained
+    rc = cmp.main(_args(folder, work) + ["--stop-after", "0", "--dry-run"])
+    assert rc == 2 and "--stop-after: 0; expected a positive number of minutes" in capsys.readouterr().err
+
+
+def test_two_failed_runs_in_a_row_end_the_invocation(tmp_path):
+    """A worker that cannot start (here: a model path that does not exist) fails every run alike: the harness stops
+    after two failures in a row instead of trying them all, and says which runs it did not start."""
+    folder = tmp_path / "broken"
+    proc = _run(_args(folder, tmp_path / "work" / "broken", steps=1) + ["--set", f"model.name={tmp_path / 'none'}"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert [line.split("]")[0][1:] for line in proc.stdout.splitlines() if "] training" in line] == \
+        ["basis seed 0", "reinforce_pp seed 0"]
+    assert "stopped (two runs in a row failed); not started: reinforce_pp seed 1, basis seed 1" in proc.stderr
+    assert "failed: basis seed 0, reinforce_pp seed 0" in proc.stderr
+    assert not list((folder / "runs").glob("*/seed*/summary.json"))
+
+
 def test_one_harness_trains_at_a_time(cmp, tmp_path, capsys):
     work = tmp_path / "runs" / "c"
     with RunLock(work.parent):
