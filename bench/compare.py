@@ -517,19 +517,21 @@ def train_in_order(order, specs, folder: Path, work: Path, tree: dict, machine: 
     deadline = time.monotonic() + 60 * args.stop_after if args.stop_after else None
     failed, streak = [], 0
     for i, (arm, seed) in enumerate(order):
-        done = is_done(run_dirs(folder, work, arm, seed)[0])
-        if not done and deadline is not None and time.monotonic() + expected_wall_s(folder, arm) > deadline:
-            left = [k for k in order[i:] if not is_done(run_dirs(folder, work, *k)[0])]
-            return failed, left, f"--stop-after {args.stop_after:g} min"
+        if deadline is not None and not is_done(run_dirs(folder, work, arm, seed)[0]) and \
+                time.monotonic() + expected_wall_s(folder, arm) > deadline:
+            why, rest = f"--stop-after {args.stop_after:g} min", order[i:]
+            break
         if run_one(specs[(arm, seed)], folder, work, tree, machine, args.keep_work):
             streak = 0
             continue
         failed.append(f"{arm} seed {seed}")
         streak += 1
-        if streak == 2 and i + 1 < len(order):
-            left = [k for k in order[i + 1:] if not is_done(run_dirs(folder, work, *k)[0])]
-            return failed, left, "two runs in a row failed"
-    return failed, [], ""
+        if streak == 2:
+            why, rest = "two runs in a row failed", order[i + 1:]
+            break
+    else:
+        return failed, [], ""
+    return failed, [k for k in rest if not is_done(run_dirs(folder, work, *k)[0])], why
 
 
 # ----------------------------------------------------------------------------------------------------------------
