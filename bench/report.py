@@ -14,10 +14,12 @@ Reads FOLDER/runs/<arm>/seed<k>/summary.json and metrics.jsonl.gz (bench/compare
   and against clock, the mean over seeds with a band of one standard error;
 - the Pareto frontier of final accuracy against clock and against tokens generated: the arms no other arm beats
   at a lower or equal cost;
-- the cost (clock and tokens, on the mean curve) to reach each of --targets, and how many seeds reach it.
+- the cost (clock and tokens, on the mean curve) to reach each of --targets, and how many seeds reach it;
+- per run: each seed's accuracy before and after, its cut-off share, clock, wall, peak RSS and the 1-minute load
+  average at its start and end, so a single run's figure quoted in prose is read here, not typed.
 
 Marked blocks: a page holding `<!-- report:NAME -->` ... `<!-- /report:NAME -->` (NAME = the folder's name; or
-NAME/PART with PART one of accuracy, paired, targets, pareto) gets that part of the report between the markers
+NAME/PART with PART one of accuracy, paired, targets, pareto, runs) gets that part of the report between the markers
 whenever this script runs (default pages: README.md and docs/results.md; --pages to choose), so no figure there
 is typed by hand. --check writes nothing and exits 1 when report.md or such a block differs from what the raw files
 give now (one line per difference).
@@ -43,7 +45,7 @@ from bench.lib.report import fmt_seconds, markdown_table, mean_present, write_js
 
 BASE = "basis"
 TARGETS = (0.55, 0.60, 0.65)
-PARTS = ("accuracy", "paired", "targets", "pareto")
+PARTS = ("accuracy", "paired", "targets", "pareto", "runs")
 DEFAULT_PAGES = ("README.md", "docs/results.md")
 BLOCK = re.compile(r"<!-- report:(?P<name>[\w.\-]+(?:/\w+)?) -->\n(?P<body>.*?)\n?<!-- /report:(?P=name) -->", re.S)
 
@@ -171,6 +173,20 @@ def load_runs(folder: Path) -> dict[str, dict[int, dict]]:
     return runs
 
 
+def per_run(runs: dict) -> list[dict]:
+    """One row per finished run, arms in arm_order, seeds ascending: the figures a single run is quoted by."""
+    rows = []
+    for a in arm_order(runs):
+        for k in sorted(runs[a]):
+            s = runs[a][k]["summary"]
+            rows.append({"arm": a, "seed": k, "accuracy_before": s.get("accuracy_before"),
+                         "accuracy_after": s["accuracy_after"], "cut_off": runs[a][k]["cut_off"],
+                         "clock_s": s.get("clock_s"), "wall_s": s.get("wall_s"), "peak_rss_mb": s.get("peak_rss_mb"),
+                         "load_before": (s.get("loadavg_before") or [None])[0],
+                         "load_after": (s.get("loadavg_after") or [None])[0]})
+    return rows
+
+
 def arm_order(runs: dict) -> list[str]:
     """basis first, then the arms in bench/lib/arms.py's order, then any other."""
     known = [a for a in ARMS if a in runs]
@@ -244,7 +260,7 @@ def analyze(runs: dict, targets=TARGETS) -> dict:
     every = [r["summary"] for rs in runs.values() for r in rs.values()]
     understated = [f"{s['arm']} seed {s['seed']}" for s in every
                    if (s.get("peak_rss_sampled_mb") or 0) > 1.05 * (s.get("peak_rss_mb") or 0)]
-    return {"arms": per_arm, "order": arms, "paired": paired, "targets": [f"{t:g}" for t in targets],
+    return {"arms": per_arm, "order": arms, "paired": paired, "runs": per_run(runs), "targets": [f"{t:g}" for t in targets],
             "pareto": {"clock": front_clock, "tokens": front_tokens},
             "rss_understated": understated, "commits": sorted({s["commit"] for s in every}), "dirty": any(s.get("dirty") for s in every),
             "machines": _machines(every),
@@ -348,7 +364,24 @@ def part_pareto(rep: dict) -> str:
             "when no arm costing no more ends at least as accurate (means over seeds).")
 
 
-PART_TEXT = {"accuracy": part_accuracy, "paired": part_paired, "targets": part_targets, "pareto": part_pareto}
+def part_runs(rep: dict) -> str:
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f} %"
+
+    def load(x):
+        return "-" if x is None else f"{x:.2f}"
+    head = ["arm", "seed", "before", "after", "cut off", "clock", "wall", "peak RSS", "load at start → end"]
+    rows = [[r["arm"], r["seed"], _acc(r["accuracy_before"]), _acc(r["accuracy_after"]), pct(r["cut_off"]),
+             fmt_seconds(r["clock_s"]), fmt_seconds(r["wall_s"]), _mb(r["peak_rss_mb"]),
+             f"{load(r['load_before'])} → {load(r['load_after'])}"] for r in rep["runs"]]
+    return (markdown_table(head, rows) + "\n\nEach run on its own: held-out accuracy before and after training, the "
+            "share of its rollouts cut off at the completion budget (mean over steps), its training clock, the whole "
+            "run's wall time (load, evals and start-up included), its peak RSS and the machine's 1-minute load average "
+            "when it started and ended.")
+
+
+PART_TEXT = {"accuracy": part_accuracy, "paired": part_paired, "targets": part_targets, "pareto": part_pareto,
+             "runs": part_runs}
 
 
 def block_text(rep: dict, part: str | None) -> str:
@@ -392,6 +425,7 @@ def markdown(name: str, rep: dict) -> str:
              "## Cost to reach a held-out accuracy", "", part_targets(rep), "",
              "## Pareto frontier", "", part_pareto(rep), "",
              "![held-out accuracy against tokens generated and clock, and the Pareto frontier](comparison.png)", "",
+             "## Per run", "", part_runs(rep), "",
              "## Where it ran", ""]
     lines += [f"- {m}" for m in rep["machines"]]
     if len(rep["machines"]) > 1:

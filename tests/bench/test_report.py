@@ -134,6 +134,10 @@ def test_report_files_and_blocks_and_check(rp, folder, tmp_path, capsys):
     # cut off: steps 1 and 2 clip 0 % and 25 % of their rollouts, 12.5 % on average over steps and seeds
     assert rp.analyze(rp.load_runs(folder))["arms"]["basis"]["cut_off"] == pytest.approx(0.125)
     assert "| 12.5 % | 1502 MB |" in md
+    # per run: basis seed 3 ends at 0.64; astar's one run starts its clock with 4 s of reference samples
+    assert "| basis | 3 | 0.300 | 0.640 | 12.5 % | 6.00 s | 60 s | 1503 MB | 0.50 → 1.50 |" in md
+    assert "| astar | 0 | 0.300 | 0.500 | 12.5 % | 10 s |" in md
+    assert md.index("## Per run") < md.index("## Where it ran")
     assert (folder / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((folder / "report.json").read_text())["paired"]["rloo2"]["verdict"] == "behind"
     text = page.read_text()
