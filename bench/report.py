@@ -302,6 +302,10 @@ def _mb(x) -> str:
     return "-" if x is None else f"{x:.0f} MB"
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
 def _signed(x) -> str:
     return "-" if x is None else f"{x:+.3f}"
 
@@ -318,7 +322,7 @@ def part_accuracy(rep: dict) -> str:
                                              else "")
         rows.append([a, f"{p['prompts_per_step']} x {p['rollouts_per_prompt']}", p["rollouts"], p["n"],
                      _acc(p["accuracy_before"]), after, lv, fmt_seconds(p["clock_s"]), gen,
-                     _tok(p["trained_tokens"]), "-" if p.get("cut_off") is None else f"{100 * p['cut_off']:.1f} %",
+                     _tok(p["trained_tokens"]), _pct(p.get("cut_off")),
                      _mb(p["peak_rss_mb"]),
                      "-" if p["explained_variance_mean"] is None else f"{p['explained_variance_mean']:+.2f}"])
     return markdown_table(head, rows)
@@ -365,13 +369,10 @@ def part_pareto(rep: dict) -> str:
 
 
 def part_runs(rep: dict) -> str:
-    def pct(x):
-        return "-" if x is None else f"{100 * x:.1f} %"
-
     def load(x):
         return "-" if x is None else f"{x:.2f}"
     head = ["arm", "seed", "before", "after", "cut off", "clock", "wall", "peak RSS", "load at start → end"]
-    rows = [[r["arm"], r["seed"], _acc(r["accuracy_before"]), _acc(r["accuracy_after"]), pct(r["cut_off"]),
+    rows = [[r["arm"], r["seed"], _acc(r["accuracy_before"]), _acc(r["accuracy_after"]), _pct(r["cut_off"]),
              fmt_seconds(r["clock_s"]), fmt_seconds(r["wall_s"]), _mb(r["peak_rss_mb"]),
              f"{load(r['load_before'])} → {load(r['load_after'])}"] for r in rep["runs"]]
     return (markdown_table(head, rows) + "\n\nEach run on its own: held-out accuracy before and after training, the "
