@@ -260,13 +260,13 @@ def analyze(runs: dict, targets=TARGETS) -> dict:
     every = [r["summary"] for rs in runs.values() for r in rs.values()]
     understated = [f"{s['arm']} seed {s['seed']}" for s in every
                    if (s.get("peak_rss_sampled_mb") or 0) > 1.05 * (s.get("peak_rss_mb") or 0)]
-    return {"arms": per_arm, "order": arms, "paired": paired, "runs": per_run(runs), "targets": [f"{t:g}" for t in targets],
+    rows = per_run(runs)
+    return {"arms": per_arm, "order": arms, "paired": paired, "runs": rows, "targets": [f"{t:g}" for t in targets],
             "pareto": {"clock": front_clock, "tokens": front_tokens},
             "rss_understated": understated, "commits": sorted({s["commit"] for s in every}), "dirty": any(s.get("dirty") for s in every),
             "machines": _machines(every),
             "load_1min": {k: [min(v), max(v)] if v else None for k, v in (
-                ("before", [s["loadavg_before"][0] for s in every if s.get("loadavg_before")]),
-                ("after", [s["loadavg_after"][0] for s in every if s.get("loadavg_after")]))},
+                (when, [r[f"load_{when}"] for r in rows if r[f"load_{when}"] is not None]) for when in ("before", "after"))},
             "settings": {**{k: every[0].get(k) for k in ("preset", "steps", "eval_every", "eval_set", "eval_n")},
                          "overrides": _common_overrides(every)} if every else {},
             "cost_source": sorted({f"{k}: {v}" for s in every for k, v in (s.get("cost_source") or {}).items()
