@@ -370,7 +370,8 @@ def test_cpu_auto_dtype_note_follows_the_cpus_native_bf16_flags(monkeypatch):
 def test_bf16_and_dtype_probe_estimates_bound_the_measured_peaks():
     """The note's two figures against the whole-job peaks (time -v) committed from a 2-core avx512_bf16 EPYC: the
     default job in bf16 after the dtype timing was cached (default_run/v8-avx512bf16/lora-inputs), the timing alone
-    (v9-first-run/probe-after-*), and a first job, timing included (v9-first-run/first-run.txt). Never below the
+    (v9-first-run/probe-after-*), and a first job, timing included (v9-first-run/first-run.txt); and the same two
+    jobs on a 2-core Intel Xeon with AMX, which peak higher (v10-amx/cached, v10-amx/first-run). Never below the
     measured peak, at most 80 % above, as for the float32 runs above."""
     from pathlib import Path
 
@@ -387,3 +388,7 @@ def test_bf16_and_dtype_probe_estimates_bound_the_measured_peaks():
         assert measured <= probe <= 1.8 * measured, (probe, measured)
     first = _max_rss_gib(runs / "v9-first-run/first-run.txt")
     assert first <= max(bf16, probe) <= 1.8 * first, (bf16, probe, first)
+    amx_later = _max_rss_gib(runs / "v10-amx/cached/time-v.txt")
+    assert amx_later <= bf16 <= 1.8 * amx_later, (bf16, amx_later)
+    amx_first = _max_rss_gib(runs / "v10-amx/first-run/time-v.txt")
+    assert amx_first <= max(bf16, probe) <= 1.8 * amx_first, (bf16, probe, amx_first)
