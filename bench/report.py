@@ -175,7 +175,7 @@ def load_runs(folder: Path) -> dict[str, dict[int, dict]]:
 
 def per_run(runs: dict) -> list[dict]:
     """One row per finished run, arms in arm_order, seeds ascending: the figures a single run is quoted by."""
-    rows = []
+    rows, keys = [], machine_keys(runs)
     for a in arm_order(runs):
         for k in sorted(runs[a]):
             s = runs[a][k]["summary"]
@@ -183,7 +183,8 @@ def per_run(runs: dict) -> list[dict]:
                          "accuracy_after": s["accuracy_after"], "cut_off": runs[a][k]["cut_off"],
                          "clock_s": s.get("clock_s"), "wall_s": s.get("wall_s"), "peak_rss_mb": s.get("peak_rss_mb"),
                          "load_before": (s.get("loadavg_before") or [None])[0],
-                         "load_after": (s.get("loadavg_after") or [None])[0]})
+                         "load_after": (s.get("loadavg_after") or [None])[0],
+                         "machine": keys.index(_machine_key(s)) + 1})
     return rows
 
 
@@ -264,7 +265,7 @@ def analyze(runs: dict, targets=TARGETS) -> dict:
     return {"arms": per_arm, "order": arms, "paired": paired, "runs": rows, "targets": [f"{t:g}" for t in targets],
             "pareto": {"clock": front_clock, "tokens": front_tokens},
             "rss_understated": understated, "commits": sorted({s["commit"] for s in every}), "dirty": any(s.get("dirty") for s in every),
-            "machines": _machines(every),
+            "machines": _machines(runs),
             "load_1min": {k: [min(v), max(v)] if v else None for k, v in (
                 (when, [r[f"load_{when}"] for r in rows if r[f"load_{when}"] is not None]) for when in ("before", "after"))},
             "settings": {**{k: every[0].get(k) for k in ("preset", "steps", "eval_every", "eval_set", "eval_n")},
@@ -273,15 +274,22 @@ def analyze(runs: dict, targets=TARGETS) -> dict:
                                    if not v.startswith(("metrics.jsonl ", "no reference samples"))})}
 
 
-def _machines(every: list[dict]) -> list[str]:
-    """One line per kind of machine (CPU flags, torch, threads, the kernel level torch ran at) naming its arms:
-    clocks compare only within a line; accuracies compare across lines where the kernels match."""
-    by_line: dict[str, set[str]] = {}
-    for s in every:
-        line = (flags_line(s) + f"; torch {s.get('torch')}, {s.get('torch_threads')} threads"
-                + f", kernels at {s.get('torch_cpu_capability') or 'unrecorded'}")
-        by_line.setdefault(line, set()).add(s["arm"])
-    return [f"{line}: {', '.join(sorted(arms))}" for line, arms in sorted(by_line.items())]
+def _machine_key(s: dict) -> str:
+    """A run's kind of machine: CPU model and flags, torch, threads, the kernel level torch ran at."""
+    return (flags_line(s) + f"; torch {s.get('torch')}, {s.get('torch_threads')} threads"
+            + f", kernels at {s.get('torch_cpu_capability') or 'unrecorded'}")
+
+
+def machine_keys(runs: dict) -> list[str]:
+    """The kinds of machine the runs ran on, sorted; a run's machine number is its key's place here, from 1."""
+    return sorted({_machine_key(r["summary"]) for rs in runs.values() for r in rs.values()})
+
+
+def _machines(runs: dict) -> list[str]:
+    """One line per kind of machine, numbered as in the per-run table, naming its arms."""
+    arms = {k: sorted({a for a, rs in runs.items() for r in rs.values() if _machine_key(r["summary"]) == k})
+            for k in machine_keys(runs)}
+    return [f"{i}. {k}: {', '.join(arms[k])}" for i, k in enumerate(machine_keys(runs), 1)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -371,14 +379,14 @@ def part_pareto(rep: dict) -> str:
 def part_runs(rep: dict) -> str:
     def load(x):
         return "-" if x is None else f"{x:.2f}"
-    head = ["arm", "seed", "before", "after", "cut off", "clock", "wall", "peak RSS", "load at start → end"]
+    head = ["arm", "seed", "before", "after", "cut off", "clock", "wall", "peak RSS", "load at start → end", "machine"]
     rows = [[r["arm"], r["seed"], _acc(r["accuracy_before"]), _acc(r["accuracy_after"]), _pct(r["cut_off"]),
              fmt_seconds(r["clock_s"]), fmt_seconds(r["wall_s"]), _mb(r["peak_rss_mb"]),
-             f"{load(r['load_before'])} → {load(r['load_after'])}"] for r in rep["runs"]]
+             f"{load(r['load_before'])} → {load(r['load_after'])}", r["machine"]] for r in rep["runs"]]
     return (markdown_table(head, rows) + "\n\nEach run on its own: held-out accuracy before and after training, the "
             "share of its rollouts cut off at the completion budget (mean over steps), its training clock, the whole "
-            "run's wall time (load, evals and start-up included), its peak RSS and the machine's 1-minute load average "
-            "when it started and ended.")
+            "run's wall time (load, evals and start-up included), its peak RSS, the machine's 1-minute load average "
+            "when it started and ended, and the machine it ran on (numbered as in \"Where it ran\").")
 
 
 PART_TEXT = {"accuracy": part_accuracy, "paired": part_paired, "targets": part_targets, "pareto": part_pareto,
@@ -428,10 +436,11 @@ def markdown(name: str, rep: dict) -> str:
              "![held-out accuracy against tokens generated and clock, and the Pareto frontier](comparison.png)", "",
              "## Per run", "", part_runs(rep), "",
              "## Where it ran", ""]
-    lines += [f"- {m}" for m in rep["machines"]]
+    lines += rep["machines"]
     if len(rep["machines"]) > 1:
-        lines += ["", "Each line names the arms with a run there. Clocks compare only within one line; with the same "
-                  "kernel level, accuracies compare across lines."]
+        lines += ["", "Each line names the arms with a run there. Clocks compare only within one line. A run on "
+                  "another line is another draw of its seed's trajectory unless a rerun there gave the same numbers: "
+                  "the same kernel level is not enough (bench/results/avx2cap-repro/)."]
     lo = rep["load_1min"]
     lines += ["", f"1-minute load average at the start of the runs: {lo['before']}, at their end: {lo['after']} "
               "(lowest, highest); the clocks are comparable only on an otherwise idle machine."]

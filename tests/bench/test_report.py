@@ -135,7 +135,7 @@ def test_report_files_and_blocks_and_check(rp, folder, tmp_path, capsys):
     assert rp.analyze(rp.load_runs(folder))["arms"]["basis"]["cut_off"] == pytest.approx(0.125)
     assert "| 12.5 % | 1502 MB |" in md
     # per run: basis seed 3 ends at 0.64; astar's one run starts its clock with 4 s of reference samples
-    assert "| basis | 3 | 0.300 | 0.640 | 12.5 % | 6.00 s | 60 s | 1503 MB | 0.50 → 1.50 |" in md
+    assert "| basis | 3 | 0.300 | 0.640 | 12.5 % | 6.00 s | 60 s | 1503 MB | 0.50 → 1.50 | 1 |" in md
     assert "| astar | 0 | 0.300 | 0.500 | 12.5 % | 10 s |" in md
     assert md.index("## Per run") < md.index("## Where it ran")
     assert (folder / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -179,13 +179,19 @@ def test_machines_are_listed_apart_with_their_arms_and_kernel_level(rp):
         return {"arm": arm, "cpu_model": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu", "torch_threads": 2,
                 "torch_cpu_capability": cap,
                 "cpu_flags": {"avx2": True, "fma": True, "avx512f": avx512, "avx512_bf16": avx512}}
-    lines = rp._machines([summary("basis", False, "AVX2"), summary("trl8", True, "AVX2"),
-                          summary("basis", True, "AVX2"), summary("grpo8", True, "AVX512")])
-    assert len(lines) == 3
+    runs = {"basis": {0: {"summary": summary("basis", False, "AVX2")}, 1: {"summary": summary("basis", True, "AVX2")}},
+            "trl8": {0: {"summary": summary("trl8", True, "AVX2")}},
+            "grpo8": {0: {"summary": summary("grpo8", True, "AVX512")}}}
+    lines = rp._machines(runs)
+    assert len(lines) == 3 and [m.split(". ")[0] for m in lines] == ["1", "2", "3"]
     capped = [m for m in lines if "flags: avx2 fma avx512f" in m and "kernels at AVX2" in m]
     assert len(capped) == 1 and capped[0].endswith(": basis, trl8")
     assert any("without avx512f" in m and m.endswith("kernels at AVX2: basis") for m in lines)
     assert any(m.endswith("kernels at AVX512: grpo8") for m in lines)
+    # a run's machine number (the per-run table's column) is its line's number
+    number = {a: {k: rp.machine_keys(runs).index(rp._machine_key(r["summary"])) + 1 for k, r in rs.items()}
+              for a, rs in runs.items()}
+    assert lines[number["trl8"][0] - 1] == capped[0] and number["basis"][1] == number["trl8"][0] != number["basis"][0]
 
 
 def test_the_first_line_names_the_overrides_every_run_shares(rp):
