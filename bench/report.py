@@ -287,9 +287,11 @@ def machine_keys(runs: dict) -> list[str]:
 
 def _machines(runs: dict) -> list[str]:
     """One line per kind of machine, numbered as in the per-run table, naming its arms."""
-    arms = {k: sorted({a for a, rs in runs.items() for r in rs.values() if _machine_key(r["summary"]) == k})
-            for k in machine_keys(runs)}
-    return [f"{i}. {k}: {', '.join(arms[k])}" for i, k in enumerate(machine_keys(runs), 1)]
+    arms: dict[str, set[str]] = {k: set() for k in machine_keys(runs)}
+    for a, rs in runs.items():
+        for r in rs.values():
+            arms[_machine_key(r["summary"])].add(a)
+    return [f"{i}. {k}: {', '.join(sorted(names))}" for i, (k, names) in enumerate(arms.items(), 1)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
