@@ -178,19 +178,20 @@ def test_machines_are_listed_apart_with_their_arms_and_kernel_level(rp):
     def summary(arm, avx512, cap):
         return {"arm": arm, "cpu_model": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu", "torch_threads": 2,
                 "torch_cpu_capability": cap,
-                "cpu_flags": {"avx2": True, "fma": True, "avx512f": avx512, "avx512_bf16": avx512}}
-    runs = {"basis": {0: {"summary": summary("basis", False, "AVX2")}, 1: {"summary": summary("basis", True, "AVX2")}},
-            "trl8": {0: {"summary": summary("trl8", True, "AVX2")}},
-            "grpo8": {0: {"summary": summary("grpo8", True, "AVX512")}}}
+                "cpu_flags": {"avx2": True, "fma": True, "avx512f": avx512, "avx512_bf16": avx512}, "accuracy_after": 0.5}
+    runs = {"basis": {0: {"summary": summary("basis", False, "AVX2"), "cut_off": 0.0},
+                      1: {"summary": summary("basis", True, "AVX2"), "cut_off": 0.0}},
+            "trl8": {0: {"summary": summary("trl8", True, "AVX2"), "cut_off": 0.0}},
+            "grpo8": {0: {"summary": summary("grpo8", True, "AVX512"), "cut_off": 0.0}}}
     lines = rp._machines(runs)
     assert len(lines) == 3 and [m.split(". ")[0] for m in lines] == ["1", "2", "3"]
     capped = [m for m in lines if "flags: avx2 fma avx512f" in m and "kernels at AVX2" in m]
     assert len(capped) == 1 and capped[0].endswith(": basis, trl8")
     assert any("without avx512f" in m and m.endswith("kernels at AVX2: basis") for m in lines)
     assert any(m.endswith("kernels at AVX512: grpo8") for m in lines)
-    # a run's machine number (the per-run table's column) is its line's number
-    number = {a: {k: rp.machine_keys(runs).index(rp._machine_key(r["summary"])) + 1 for k, r in rs.items()}
-              for a, rs in runs.items()}
+    # a run's machine number (the per-run table's column, from per_run) is its line's number
+    number = {(r["arm"], r["seed"]): r["machine"] for r in rp.per_run(runs)}
+    number = {a: {k: number[a, k] for k in rs} for a, rs in runs.items()}
     assert lines[number["trl8"][0] - 1] == capped[0] and number["basis"][1] == number["trl8"][0] != number["basis"][0]
 
 
