@@ -191,8 +191,7 @@ def test_machines_are_listed_apart_with_their_arms_and_kernel_level(rp):
     assert any(m.endswith("kernels at AVX512: grpo8") for m in lines)
     # a run's machine number (the per-run table's column, from per_run) is its line's number
     number = {(r["arm"], r["seed"]): r["machine"] for r in rp.per_run(runs)}
-    number = {a: {k: number[a, k] for k in rs} for a, rs in runs.items()}
-    assert lines[number["trl8"][0] - 1] == capped[0] and number["basis"][1] == number["trl8"][0] != number["basis"][0]
+    assert lines[number["trl8", 0] - 1] == capped[0] and number["basis", 1] == number["trl8", 0] != number["basis", 0]
 
 
 def test_the_first_line_names_the_overrides_every_run_shares(rp):
