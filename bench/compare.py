@@ -187,7 +187,7 @@ def plan(args) -> tuple[dict, dict]:
         specs[(arm, seed)] = {
             "arm": arm, "seed": seed, "preset": args.preset, "overrides": ov, "external": a.external,
             "estimator": a.estimator, "description": a.description, "group": a.group,
-            "prompts_per_step": prompts_per_step(a, batch), "rollouts_per_prompt": a.group,
+            "prompts_per_step": prompts_per_step(a, batch), "rollouts_per_prompt": a.group, "tempered": a.tempered,
             "rollouts_per_step": prompts_per_step(a, batch) * a.group, "steps": cfg.train.steps,
             "eval_every": cfg.train.eval_every, "eval_set": cfg.data.eval_set, "prior_samples":
             (a.prior_samples or 0) if a.external else cfg.estimator.prior_samples}
@@ -299,7 +299,8 @@ def worker_trl_arm(spec: dict) -> dict:
     summary = {"prior_seconds": ref["seconds"], "prior_cached": False, "reference_tokens": ref["generated_tokens"],
                "reference_prompt_tokens": ref["prompt_tokens"]} if ref else {}
     return {**acc, "torch_threads": res["threads"], "trl": res.get("trl"), "logprob_head": res.get("logprob_head"),
-            "reward_s": res.get("reward_s"), "kept_prompts": res.get("kept_prompts"), "train_summary": summary}
+            "reward_s": res.get("reward_s"), "kept_prompts": res.get("kept_prompts"),
+            "logits_divided_by": res.get("logits_divided_by"), "train_summary": summary}
 
 
 def trl_metrics_lines(res: dict, history: list[dict], rollouts: int) -> list[dict]:
@@ -445,7 +446,7 @@ def summarize(spec: dict, run_dir: Path, info: dict, measured: dict) -> dict:
         "loadavg_before": measured["loadavg_before"], "loadavg_after": measured["loadavg_after"],
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    for key in ("trl", "logprob_head", "reward_s", "kept_prompts"):
+    for key in ("trl", "logprob_head", "reward_s", "kept_prompts", "logits_divided_by"):
         if info.get(key) is not None:
             rec[key] = info[key]
     return rec

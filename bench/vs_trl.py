@@ -627,12 +627,30 @@ def _count_generated(generate, eos_ids: list[int], timing: dict | None, counts: 
     return wrapped
 
 
+def temper_logits(model, temperature: float) -> dict:
+    """A forward hook on `model`'s output embedding (its logits layer) that divides the logits by `temperature`
+    while the returned switch's "on" is true: sampling at temperature 1 then draws from the same distribution as
+    sampling the raw logits at `temperature`, and a loss that scores the raw logits scores that distribution. A deep
+    copy of the model (TRL's reference model) carries the hook and shares the switch."""
+    if temperature <= 0:
+        raise ConfigError(f"generation.temperature={temperature}: tempered logits need a temperature > 0")
+    switch = {"on": True}
+
+    def hook(module, args, output):
+        return output / temperature if switch["on"] else output
+
+    model.get_output_embeddings().register_forward_hook(hook)
+    return switch
+
+
 def worker_a2po(spec: dict) -> dict:
     """TRL's A*-PO trainer (trl.experimental.a2po.A2POTrainer) on the same model, data, reward and schedule, with
     spec["prior_samples"] reference samples per training prompt: Stage 1 (V* from the reference policy) timed and its
     tokens counted as the run's reference cost, Stage 2 steps timed like the GRPO arm's; eval with basis-lite's
     evaluate(). Its training set is the prompts basis-lite's sampler would draw in the run (steps x B), as the astar
-    arm samples them; A2PO shuffles them itself and drops those whose samples all scored 0."""
+    arm samples them; A2PO shuffles them itself and drops those whose samples all scored 0. With spec["tempered"]
+    the model's logits are divided by generation.temperature (temper_logits) and TRL runs at temperature 1: the same
+    sampling distribution, and TRL's loss, which scores raw logits, scores it too; evals see the raw logits."""
     try:
         import trl
         from trl.experimental.a2po import A2POConfig, A2POTrainer
@@ -646,6 +664,21 @@ def worker_a2po(spec: dict) -> dict:
     conf_kwargs = a2po_config_kwargs(cfg, cfg.train.steps, str(Path(spec["run_dir"]) / "trl_output"),
                                      run.device.type == "cpu", spec["prior_samples"],
                                      float(astar_options(cfg.estimator.options)["beta"]))
+    tempered = {}
+    if spec.get("tempered"):
+        switch = temper_logits(run.model, cfg.generation.temperature)  # before A2POTrainer copies the model
+        conf_kwargs["temperature"] = 1.0
+        tempered = {"logits_divided_by": cfg.generation.temperature}
+        evaluate_now = run.evaluate_now
+
+        def untempered_eval(desc: str) -> dict:
+            switch["on"] = False
+            try:
+                return evaluate_now(desc)
+            finally:
+                switch["on"] = True
+
+        run.evaluate_now = untempered_eval
     trainer = A2POTrainer(model=run.model, reward_funcs=run.reward, args=A2POConfig(**conf_kwargs),
                           train_dataset=run.dataset, processing_class=run.tok, callbacks=[run.StepClock()],
                           optimizers=(run.optimizer, run.scheduler))
@@ -670,7 +703,7 @@ def worker_a2po(spec: dict) -> dict:
     return {**res, "reference": reference, "kept_prompts": len(trainer.train_dataset),
             "trl_config": {k: v for k, v in conf_kwargs.items() if k != "output_dir"},
             "trl": trl.__version__, "logprob_head": "TRL A2PO's own (full logits, selective_log_softmax)",
-            **peak_rss_mb()}
+            **tempered, **peak_rss_mb()}
 
 
 def worker(spec_path: str) -> int:

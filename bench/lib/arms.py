@@ -30,6 +30,9 @@ class Arm:
     # "trl": TRL's GRPOTrainer with `group` generations per prompt; "trl_a2po": TRL's A2POTrainer with
     # `prior_samples` reference samples per prompt (bench/vs_trl.py's workers)
     external: str = ""
+    # trl_a2po only: the model's logits divided by generation.temperature and TRL run at temperature 1, so its loss
+    # scores the policy it samples from (TRL's A2POTrainer samples at its temperature, scores raw logits)
+    tempered: bool = False
     color: str | None = None
 
 
@@ -64,6 +67,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
     Arm("trl_a2po", "TRL A2POTrainer", f"TRL's A*-PO trainer (trl.experimental.a2po): V* from {ASTAR_K} reference "
         "samples per prompt (counted in its cost), its least-squares loss, 1 completion/prompt (same model, data, "
         "reward, schedule)", prior_samples=ASTAR_K, external="trl_a2po", color="sienna"),
+    Arm("trl_a2po_tempered", "TRL A2POTrainer, tempered logits", "TRL's A2POTrainer as trl_a2po, its model's "
+        "logits divided by the sampling temperature and TRL at temperature 1: the same sampling, its loss scoring "
+        "the tempered policy it samples from", prior_samples=ASTAR_K, external="trl_a2po", tempered=True,
+        color="peru"),
     # EAPO (bench/learning.py only: hard_eapo reads eapo_prior's adapter)
     Arm("eapo_prior", "basis", "BASIS on the preset's levels: the EAPO prior adapter", color="tab:olive"),
     Arm("hard", "basis", "BASIS on the hard levels, no injection", color="tab:brown"),

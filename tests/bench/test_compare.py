@@ -20,6 +20,7 @@ from conftest import REPO, VARIED, bench_module, sets, subprocess_env
 from basis_lite.config import ConfigError
 from basis_lite.estimators import estimator_names
 from basis_lite.safeio import RunLock
+from bench.lib.arms import ARMS as ARMS_TABLE
 
 SCRIPT = REPO / "bench" / "compare.py"
 ARMS = ("basis", "reinforce_pp")
@@ -281,10 +282,11 @@ def test_one_harness_trains_at_a_time(cmp, tmp_path, capsys):
     assert rc == 2 and "one training process at a time" in capsys.readouterr().err
 
 
-def _one_step_of(arm: str, tmp_path: Path) -> dict:
-    """The summary.json of one 1-step run of `arm` (seed 0) through the harness, with every field a run records."""
+def _one_step_of(arm: str, tmp_path: Path, *overrides: str) -> dict:
+    """The summary.json of one 1-step run of `arm` (seed 0) through the harness, with every field a run records;
+    `overrides` are more --set items."""
     folder = tmp_path / f"{arm}-cmp"
-    proc = _run(_args(folder, tmp_path / "work" / f"{arm}-cmp", arms=(arm,), seeds=(0,), steps=1))
+    proc = _run(_args(folder, tmp_path / "work" / f"{arm}-cmp", arms=(arm,), seeds=(0,), steps=1) + sets(overrides))
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     s = _summary(folder, arm, 0)
     assert set(FIELDS) <= set(s)
@@ -301,12 +303,16 @@ def test_trl_arm_runs_through_vs_trl_worker(tmp_path):
     assert s["explained_variance_mean"] is None and s["accuracy_after"] is not None and s["peak_rss_mb"] > 100
 
 
-def test_trl_a2po_arm_runs_through_vs_trl_worker(tmp_path):
+@pytest.mark.parametrize("arm", ["trl_a2po", "trl_a2po_tempered"])
+def test_trl_a2po_arm_runs_through_vs_trl_worker(tmp_path, arm):
     """TRL's A2POTrainer as an arm: its Stage 1 (8 reference samples per prompt) timed into the clock and its tokens
-    into reference_tokens, its steps' tokens counted from what its generate calls returned."""
+    into reference_tokens, its steps' tokens counted from what its generate calls returned; the tempered arm records
+    the temperature its logits were divided by."""
     pytest.importorskip("trl.experimental.a2po")
-    s = _one_step_of("trl_a2po", tmp_path)
-    assert (s["prompts_per_step"], s["rollouts_per_prompt"], s["estimator"]) == (8, 1, "TRL A2POTrainer")
+    s = _one_step_of(arm, tmp_path, "generation.temperature=0.8")
+    assert (s["prompts_per_step"], s["rollouts_per_prompt"]) == (8, 1)
+    assert s["estimator"] == ARMS_TABLE[arm].estimator and s["estimator"].startswith("TRL A2POTrainer")
+    assert s.get("logits_divided_by") == (0.8 if arm == "trl_a2po_tempered" else None)
     assert s["reference_s"] > 0 and s["reference_cached"] is False
     assert s["clock_s"] == pytest.approx(s["generation_s"] + s["update_s"] + s["reference_s"], abs=2e-3)
     # Stage 1 sampled 8 completions of each of the run's 8 prompts, up to the preset's 12 new tokens each

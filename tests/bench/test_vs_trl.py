@@ -1,11 +1,14 @@
-"""bench/vs_trl.py's bookkeeping on hand-made numbers: the headline ratio, the table, the report files.
+"""bench/vs_trl.py's bookkeeping on hand-made numbers: the headline ratio, the table, the report files; and its
+tempered-logits hook on the tiny model with TRL's own scoring.
 
-No model, no trl: the arms' results are written by hand and run through the same functions the benchmark uses.
+The bookkeeping tests use no model and no trl: the arms' results are written by hand and run through the same
+functions the benchmark uses.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import bench_module
@@ -163,3 +166,35 @@ def test_generate_counter_counts_to_the_first_stop_token(vs):
     assert counts == {"prompt_tokens": 10, "generated_tokens": 10} and timing["generation_s"] > 0
     gen(ids, attention_mask=ids)  # a positional call (not A2PO's): passed through, not counted
     assert counts["generated_tokens"] == 10
+
+
+def test_tempered_logits_reach_trl_reference_copy_and_its_scoring(vs):
+    """temper_logits on the real tiny policy: TRL's reference model (its deep copy, made after the hook) carries it,
+    A2POTrainer's own _get_sequence_logps then scores log_softmax(logits / T) for both models, and the switch turned
+    off gives the raw logits back (what the evals see)."""
+    pytest.importorskip("trl.experimental.a2po")
+    import torch
+    from trl.experimental.a2po import A2POTrainer
+    from trl.experimental.utils import create_reference_model
+
+    from basis_lite.config import ConfigError, load_config
+    from basis_lite.model.loading import load_policy
+
+    model, _ = load_policy(load_config("smoke", ["model.dtype=float32"]), torch.device("cpu"), torch.float32)
+    ids = torch.tensor([[3, 7, 11, 5, 9, 2]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        raw = model(input_ids=ids, attention_mask=mask).logits
+        switch = vs.temper_logits(model, 0.7)
+        ref = create_reference_model(model)
+        scorer = SimpleNamespace(model_kwarg_keys=())  # as for a PeftModel, whose forward names no logits_to_keep
+        # the summed log-probs of the last 3 tokens under the tempered policy
+        want = torch.log_softmax(raw[:, -4:-1] / 0.7, -1).gather(-1, ids[:, -3:, None])[..., 0].sum(-1)
+        for m in (model, ref):
+            got = A2POTrainer._get_sequence_logps(scorer, m, ids, mask, 3)
+            assert torch.allclose(got, want, atol=1e-5), (got, want)
+        switch["on"] = False
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, raw)
+        assert torch.equal(ref(input_ids=ids, attention_mask=mask).logits, raw)
+    with pytest.raises(ConfigError, match="temperature=0"):
+        vs.temper_logits(model, 0)
