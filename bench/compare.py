@@ -83,6 +83,8 @@ METRICS = "metrics.jsonl.gz"
 PACKAGES = ("transformers", "peft", "trl")
 TRL_ARMS = {"trl": worker_trl, "trl_a2po": worker_a2po}  # Arm.external: the bench/vs_trl.py worker that trains it
 COSTS = ("prompt_tokens", "generated_tokens", "trained_tokens")
+# what a TRL worker returns beside its run, copied into summary.json when present
+TRL_FIELDS = ("trl", "logprob_head", "reward_s", "kept_prompts", "logits_divided_by")
 # the comparison's settings: fixed by its first invocation
 FIXED = ("preset", "steps", "eval_every", "eval_set", "set")
 # paths no run executes or reads: a change there leaves a comparison on the same code (top-level *.md files too)
@@ -298,9 +300,7 @@ def worker_trl_arm(spec: dict) -> dict:
     ref = res.get("reference") or {}
     summary = {"prior_seconds": ref["seconds"], "prior_cached": False, "reference_tokens": ref["generated_tokens"],
                "reference_prompt_tokens": ref["prompt_tokens"]} if ref else {}
-    return {**acc, "torch_threads": res["threads"], "trl": res.get("trl"), "logprob_head": res.get("logprob_head"),
-            "reward_s": res.get("reward_s"), "kept_prompts": res.get("kept_prompts"),
-            "logits_divided_by": res.get("logits_divided_by"), "train_summary": summary}
+    return {**acc, "torch_threads": res["threads"], **{k: res.get(k) for k in TRL_FIELDS}, "train_summary": summary}
 
 
 def trl_metrics_lines(res: dict, history: list[dict], rollouts: int) -> list[dict]:
@@ -446,7 +446,7 @@ def summarize(spec: dict, run_dir: Path, info: dict, measured: dict) -> dict:
         "loadavg_before": measured["loadavg_before"], "loadavg_after": measured["loadavg_after"],
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    for key in ("trl", "logprob_head", "reward_s", "kept_prompts", "logits_divided_by"):
+    for key in TRL_FIELDS:
         if info.get(key) is not None:
             rec[key] = info[key]
     return rec
