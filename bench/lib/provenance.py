@@ -7,8 +7,9 @@
 
 Fields: git_commit and git_dirty (tracked files changed), python, platform, cpu_model, cpu_flags (each of
 SPEED_FLAGS true or false), cores (os.cpu_count), cpus_usable (this process's CPU affinity), torch, torch_threads,
-torch_cpu_capability (absent without torch), the version of each of `packages` (None when not installed),
-loadavg_before (1/5/15 min) and, after with_load_after, loadavg_after. The CPU model and flags come from lscpu,
+torch_cpu_capability (absent without torch), the version of each of `packages` (None when not installed), env
+(each variable of MEASURE_ENV that is set: kernel caps, thread counts, allocator settings; LD_PRELOAD as file
+names only), loadavg_before (1/5/15 min) and, after with_load_after, loadavg_after. The CPU model and flags come from lscpu,
 else /proc/cpuinfo. The flags that decide speed are listed explicitly (without avx512_bf16/amx_bf16, bf16 matmuls
 are emulated and many times slower than fp32), so a timing is never quoted without the kind of machine it ran on.
 """
@@ -23,6 +24,12 @@ from bench.lib.paths import REPO
 
 SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 PACKAGES = ("transformers", "peft")
+# variables that change what a bench measures without changing its code: the kernel level of torch, oneDNN and MKL,
+# thread counts, glibc's allocator, a preloaded allocator, torch's and oneDNN's caches
+MEASURE_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+               "OMP_NUM_THREADS", "MKL_NUM_THREADS", "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_",
+               "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD", "LRU_CACHE_CAPACITY",
+               "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 
 
 def parse_cpu_flags(text: str) -> dict[str, bool]:
@@ -133,8 +140,18 @@ def machine_record(packages=PACKAGES) -> dict:
     except ImportError:
         pass
     info.update({name: package_version(name) for name in packages})
+    info["env"] = measurement_env()
     info["loadavg_before"] = loadavg()
     return info
+
+
+def measurement_env(environ=None) -> dict[str, str]:
+    """The MEASURE_ENV variables set in `environ` (default os.environ); LD_PRELOAD keeps file names, not paths."""
+    environ = os.environ if environ is None else environ
+    env = {k: environ[k] for k in MEASURE_ENV if k in environ}
+    if "LD_PRELOAD" in env:
+        env["LD_PRELOAD"] = " ".join(Path(p).name for p in env["LD_PRELOAD"].replace(":", " ").split())
+    return env
 
 
 def with_load_after(record: dict) -> dict:

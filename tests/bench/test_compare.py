@@ -29,7 +29,7 @@ FIELDS = ("arm", "seed", "commit", "dirty", "cpu_flags", "cpu_model", "torch", "
           "loadavg_after", "accuracy_before", "accuracy_after", "accuracy_before_by_level", "accuracy_after_by_level",
           "clock_s", "generation_s", "update_s", "eval_s", "load_s", "reference_s", "wall_s", "prompt_tokens",
           "generated_tokens", "trained_tokens", "reference_tokens", "cost_source", "peak_rss_mb",
-          "explained_variance_mean", "rollouts_per_step", "eval_set")
+          "explained_variance_mean", "rollouts_per_step", "eval_set", "env")
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,10 @@ def _args(folder: Path, work: Path, arms=ARMS, seeds=SEEDS, steps: int = 2) -> l
 
 
 def _run(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    # LRU_CACHE_CAPACITY 129 (the product's own default is 128): a variable each summary's `env` must record
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO,
+                          env={**subprocess_env(), "LRU_CACHE_CAPACITY": "129"}, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +192,7 @@ def test_every_run_leaves_its_summary_and_metrics(smoke):
             assert 100 < s["peak_rss_mb"] < 8000 and "ru_maxrss" in s["peak_rss_source"]
             assert 100 < s["peak_rss_sampled_mb"] < 8000  # read from outside every 50 ms
             assert s["torch_threads"] == 1 and "avx2" in s["cpu_flags"] and len(s["loadavg_before"]) == 3
+            assert s["env"]["LRU_CACHE_CAPACITY"] == "129"
             with gzip.open(folder / "runs" / arm / f"seed{seed}" / "metrics.jsonl.gz", "rt") as f:
                 lines = [json.loads(x) for x in f]
             steps = [x for x in lines if "event" not in x]

@@ -292,6 +292,7 @@ def test_machine_record_fields():
     assert m["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert m["numpy"] == np.__version__ and m["no-such-package-here"] is None
     assert len(m["loadavg_before"]) == 3 and "loadavg_after" not in m
+    assert m["env"] == provenance.measurement_env()
     done = provenance.with_load_after(m)
     assert len(done["loadavg_after"]) == 3 and "loadavg_after" not in m and done["git_commit"] == m["git_commit"]
     json.dumps(done)  # plain JSON
@@ -303,6 +304,14 @@ def test_flags_line_reads_the_record_and_older_ones():
     old = {"cpu": "Y", "cpu_count": 4, "flags": {"avx2": True}}  # vs_trl's records before the shared one
     assert provenance.flags_line(old) == "Y, 4 cores; flags: avx2"
     assert provenance.flags_line({}) == "?, ? cores; flags: -"
+
+
+def test_measurement_env_keeps_the_variables_that_change_a_timing_and_no_paths():
+    env = {"ATEN_CPU_CAPABILITY": "avx2", "MALLOC_ARENA_MAX": "1", "HOME": "/root", "PATH": "/usr/bin",
+           "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2:/opt/x/libfoo.so"}
+    assert provenance.measurement_env(env) == {"ATEN_CPU_CAPABILITY": "avx2", "MALLOC_ARENA_MAX": "1",
+                                               "LD_PRELOAD": "libjemalloc.so.2 libfoo.so"}
+    assert provenance.measurement_env({"HOME": "/root"}) == {}
 
 
 def test_machine_facts_are_read_in_bench_lib_only():
