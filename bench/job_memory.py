@@ -9,7 +9,9 @@ Runs the CLI's `main` in this process with a thread that reads /proc/self/statm 
 each phase: `convert` (models.builtin_smollm2_dir: the first-run fetch and GGUF conversion), `load_policy`, `eval`
 (trainer.run_eval: before and after), `rollout` (trainer.rollout), `update` (trainer.update) with its parts
 `update:fwd` (the log-prob forward) and `update:bwd` (backward), and `other` (imports, setup, checkpoints). Writes
-{"peaks": {phase: MB}, "maxrss_mb": ..., "trace": [[time, phase, MB], ...]} to OUT.json and prints the peaks.
+{"peaks": {phase: MB}, "maxrss_mb": ..., "trace": [[time, phase, MB], ...], "machine": ...} to OUT.json and prints
+the peaks; "machine" is bench/lib/provenance.py's record (CPU flags, commit, load average before and after, and the
+allocator and kernel variables in `env`: MALLOC_* settings change these peaks).
 ru_maxrss (`maxrss_mb`) is the kernel's own peak of this process; the pip download of a first run is a child
 process and not in it (pip's RSS is far below the conversion's).
 """
@@ -25,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.lib.provenance import machine_record, with_load_after  # noqa: E402
 from bench.lib.recorders import peak_rss_mb, rss_mb  # noqa: E402
 
 
@@ -61,6 +64,7 @@ def main(argv: list[str]) -> int:
     sampler = PhaseSampler()
     import torch
 
+    machine = machine_record()
     from basis_lite import trainer
     from basis_lite.cli import main as cli_main
     from basis_lite.model import loading as models
@@ -81,7 +85,7 @@ def main(argv: list[str]) -> int:
     doc = {"command": "python bench/job_memory.py " + " ".join(argv), "seconds": time.time() - t0, "exit": rc,
            "peaks": {k: round(v) for k, v in sampler.peaks.items()},
            "maxrss_mb": round(peak_rss_mb()["ru_maxrss_mb"]),
-           "trace": sampler.trace[::10]}
+           "trace": sampler.trace[::10], "machine": with_load_after(machine)}
     out.write_text(json.dumps(doc))
     print(json.dumps({"peaks": doc["peaks"], "maxrss_mb": doc["maxrss_mb"], "seconds": round(doc["seconds"])}))
     return 0
