@@ -10,8 +10,9 @@ SPEED_FLAGS true or false), cores (os.cpu_count), cpus_usable (this process's CP
 torch_cpu_capability (absent without torch), the version of each of `packages` (None when not installed), env
 (each variable of MEASURE_ENV that is set: kernel caps, thread counts, allocator settings; LD_PRELOAD as file
 names only), loadavg_before (1/5/15 min) and, after with_load_after, loadavg_after. The CPU model and flags come
-from lscpu, else /proc/cpuinfo. The flags that decide speed are listed explicitly (without avx512_bf16/amx_bf16, bf16 matmuls
-are emulated and many times slower than fp32), so a timing is never quoted without the kind of machine it ran on.
+from lscpu, else /proc/cpuinfo. The flags that decide speed are listed explicitly (without avx512_bf16/amx_bf16,
+bf16 matmuls are emulated and many times slower than fp32), so a timing is never quoted without the kind of machine
+it ran on.
 """
 from __future__ import annotations
 
