@@ -15,13 +15,18 @@ features on, fresh adapter), each mode in its own process, one after the other:
   `torch.compile(dynamic=True)`, with an empty inductor cache (a fresh TORCHINDUCTOR_CACHE_DIR): a user's first job.
   Prefills stay eager: they run twice per rollout.
 - `compiled_warm`: the same in a new process reading the cache the cold one wrote: every later job.
+- `layer_cold`, `layer_warm`: one decoder layer's decode step compiled once and called for every layer, the weights
+  passed as tensors (`_layer_step`: the engine's bf16 layer written out, adapter beside the base as the engine runs
+  it), so dynamo traces one layer instead of thirty; its own fresh cache, then warm. Over a bf16 base only.
 
 Each process loads the model, makes one eager 2-token warm-up call (it builds the engine), then `--calls` rollout
 calls with the global RNG reseeded before each (seed i for call i, the same in every mode); call 0 carries the
-compilation. Steady = median of calls 1.. . The greedy outputs of the batch (one more call) are compared with the
+compilation. Steady = median of calls 1.. of seconds per sampled token (modes sample different tokens: the
+compiled kernels round differently). The greedy outputs of the batch (one more call) are compared with the
 eager ones row by row: inductor's fused kernels round differently, so rows may part where two logits are near-tied.
-The job estimate is for `train.steps` rollouts of this size: saved = steps x (eager steady - compiled steady),
-paid = compiled call 0 - compiled steady; the evals' decoding is not counted.
+The job estimate is for `train.steps` rollouts of this size: saved = steps x eager's mean tokens per call x (eager's
+steady - the mode's steady), paid = the mode's call 0 - its steady time for call 0's tokens; the evals' decoding is not
+counted.
 
 Writes compiled_decode.json and .md (default bench/results/compiled_decode/) with the machine record and lscpu.txt.
 """
@@ -45,10 +50,76 @@ from bench.lib.paths import results_dir  # noqa: E402
 from bench.lib.provenance import flags_line, machine_record, with_load_after  # noqa: E402
 from bench.lib.report import markdown_table, write_json  # noqa: E402
 
-MODES = ("eager", "compiled_cold", "compiled_warm")
+MODES = ("eager", "compiled_cold", "compiled_warm", "layer_cold", "layer_warm")
 
 
-def child(preset: str, dtype_name: str, calls: int, compiled: bool, overrides: list[str]) -> dict:
+def _layer_step(h, cos, sin, kc, vc, slot0: int, mask, ln1, ln2, eps: float, wqkv, aqkv, bqkv, wo, ao, bo, wgu, agu,
+                bgu, wd, ad, bd, n_heads: int, n_kv: int, hd: int, scaling: float):
+    """One Llama layer's step as FastDecoder._forward computes it over a bf16 base (RMSNorm, fused q|k|v and
+    gate|up with the adapter added in float32, rotary, the cache write, eager attention, SiLU), all weights passed
+    in."""
+    import torch
+    import torch.nn.functional as F
+
+    def rms(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def lin(x, w, A, B):
+        y = F.linear(x, w)
+        return (y.float() + F.linear(F.linear(x.float(), A), B)).to(y.dtype)
+
+    def rot(x):
+        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    b, t, _ = h.shape
+    nq, nk, rep = n_heads * hd, n_kv * hd, n_heads // n_kv
+    qkv = lin(rms(h, ln1), wqkv, aqkv, bqkv)
+    q = qkv[..., :nq].view(b, t, n_heads, hd).transpose(1, 2)
+    k = qkv[..., nq:nq + nk].view(b, t, n_kv, hd).transpose(1, 2)
+    v = qkv[..., nq + nk:].view(b, t, n_kv, hd).transpose(1, 2)
+    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    kc[:b, :, slot0:slot0 + t] = k
+    vc[:b, :, slot0:slot0 + t] = v
+    s = torch.matmul(q.reshape(b, n_kv, rep * t, hd), kc[:b, :, :slot0 + t].transpose(-1, -2)) * scaling
+    m = mask if rep == 1 else mask.unsqueeze(2).expand(b, 1, rep, t, mask.shape[-1]).reshape(b, 1, rep * t, -1)
+    p = F.softmax(s.masked_fill(~m, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    a = torch.matmul(p, vc[:b, :, :slot0 + t]).view(b, n_heads, t, hd)
+    h = h + lin(a.transpose(1, 2).reshape(b, t, nq), wo, ao, bo)
+    gu = lin(rms(h, ln2), wgu, agu, bgu)
+    inter = gu.shape[-1] // 2
+    return h + lin(F.silu(gu[..., :inter]) * gu[..., inter:], wd, ad, bd)
+
+
+def _compile_decode(dec, per_layer: bool) -> None:
+    """Route the engine's decode forwards (one new token per row, no feature layer) through torch.compile: the whole
+    forward, or `_layer_step` compiled once and called per layer. Prefills stay eager."""
+    import torch
+
+    eager_forward = dec._forward
+    step = torch.compile(_layer_step if per_layer else eager_forward, dynamic=True)
+
+    def layers_forward(ids, pos, cache, slot0, mask):
+        h = dec.body.embed_tokens(ids).to(dec.dtype)
+        cos, sin = dec.body.rotary_emb(h, pos)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for (kc, vc), e in zip(cache, dec.layers):
+            if any(g.lora is None for g in e["groups"]):
+                raise SystemExit("the per-layer step needs the adapter on every linear")
+            lay, weights = e["layer"], [t for g in e["groups"] for t in (g.w, *g.lora)]
+            h = step(h, cos, sin, kc, vc, slot0, mask, lay.input_layernorm.weight, lay.post_attention_layernorm.weight,
+                     lay.input_layernorm.variance_epsilon, *weights, dec.n_heads, dec.n_kv, dec.head_dim, dec.scaling)
+        return dec.body.norm(h), None
+
+    def forward(ids, pos, cache, slot0, mask, feature_layer=None):
+        if ids.shape[1] != 1 or feature_layer is not None:
+            return eager_forward(ids, pos, cache, slot0, mask, feature_layer)
+        return layers_forward(ids, pos, cache, slot0, mask) if per_layer else step(ids, pos, cache, slot0, mask)
+
+    dec._forward = forward
+
+
+def child(preset: str, dtype_name: str, calls: int, mode: str, overrides: list[str]) -> dict:
     """One mode in this process: the timed calls, greedy tokens and dynamo's graph count."""
     import torch
 
@@ -72,16 +143,10 @@ def child(preset: str, dtype_name: str, calls: int, compiled: bool, overrides: l
     dec = eng._fast
     if dec is None:
         raise SystemExit(f"fast path unavailable: {eng.fast_cpu_fallback}")
-    if compiled:
-        eager_forward = dec._forward
-        step = torch.compile(eager_forward, dynamic=True)
-
-        def forward(ids, pos, cache, slot0, mask, feature_layer=None):
-            if ids.shape[1] == 1 and feature_layer is None:
-                return step(ids, pos, cache, slot0, mask)
-            return eager_forward(ids, pos, cache, slot0, mask, feature_layer)
-
-        dec._forward = forward
+    if mode != "eager":
+        if mode.startswith("layer") and dec.merged:
+            raise SystemExit(f"{mode}: the per-layer step is written for a bf16/fp16 base (the adapter beside it)")
+        _compile_decode(dec, per_layer=mode.startswith("layer"))
     params = params_from_config(cfg.generation, n=cfg.estimator.rollouts_per_prompt)
     runs = []
     for i in range(calls):
@@ -92,7 +157,7 @@ def child(preset: str, dtype_name: str, calls: int, compiled: bool, overrides: l
         print(f"  call {i}: {runs[-1]['seconds']:.2f} s, {runs[-1]['tokens']} tokens", file=sys.stderr, flush=True)
     greedy = eng.generate(prompts, params_from_config(cfg.generation, greedy=True))
     graphs = None
-    if compiled:
+    if mode != "eager":
         from torch._dynamo.utils import counters
 
         graphs = counters["stats"].get("unique_graphs")
@@ -117,16 +182,18 @@ def run_mode(mode: str, a, cache_dir: str) -> dict:
 
 def summarize(modes: dict) -> dict:
     for m in modes.values():
-        secs = [r["seconds"] for r in m["runs"]]
-        m["first_s"] = secs[0]
-        m["steady_s"] = statistics.median(secs[1:]) if len(secs) > 1 else secs[0]
+        runs = m["runs"]
+        m["first_s"] = runs[0]["seconds"]
+        m["steady_ms_per_token"] = 1e3 * statistics.median(r["seconds"] / r["tokens"] for r in runs[1:])
     eager = modes["eager"]
+    eager_tokens = statistics.mean(r["tokens"] for r in eager["runs"][1:])
     for name, m in modes.items():
         m["greedy_rows_equal"] = sum(a == b for a, b in zip(m["greedy"], eager["greedy"]))
-        m["steady_vs_eager"] = m["steady_s"] / eager["steady_s"]
+        m["steady_vs_eager"] = m["steady_ms_per_token"] / eager["steady_ms_per_token"]
         if name != "eager":
-            m["job_saved_s"] = eager["steps"] * (eager["steady_s"] - m["steady_s"])
-            m["job_paid_s"] = m["first_s"] - m["steady_s"]
+            m["job_saved_s"] = eager["steps"] * eager_tokens * (eager["steady_ms_per_token"]
+                                                                - m["steady_ms_per_token"]) / 1e3
+            m["job_paid_s"] = m["first_s"] - m["runs"][0]["tokens"] * m["steady_ms_per_token"] / 1e3
             m["job_net_s"] = m["job_saved_s"] - m["job_paid_s"]
     return modes
 
@@ -147,10 +214,10 @@ def write(out_dir: Path, result: dict) -> None:
              f"{len(e['runs'])} calls per mode; method in the script's docstring.", ""]
     rows = []
     for name, d in modes.items():
-        rows.append([name, f"{d['first_s']:.2f}", f"{d['steady_s']:.2f}", f"{d['steady_vs_eager']:.2f}x",
+        rows.append([name, f"{d['first_s']:.2f}", f"{d['steady_ms_per_token']:.2f}", f"{d['steady_vs_eager']:.2f}x",
                      " / ".join(str(r["tokens"]) for r in d["runs"]), f"{d['greedy_rows_equal']}/{len(d['greedy'])}",
                      "-" if d["graphs"] is None else d["graphs"], f"{d['process_s']:.0f}"])
-    lines += [markdown_table(("mode", "call 0 s", "steady s (median of calls 1..)", "steady vs eager",
+    lines += [markdown_table(("mode", "call 0 s", "steady ms per token (median of calls 1..)", "steady vs eager",
                               "tokens per call", "greedy rows equal to eager", "graphs compiled",
                               "process s"), rows), ""]
     lines += [f"Over one default job ({e['steps']} rollouts of this size, evals not counted):", ""]
@@ -174,11 +241,14 @@ def main(argv=None) -> int:
     if a.calls < 2:
         ap.error(f"--calls {a.calls}: need at least 2 (call 0 carries the compilation, the rest give the steady time)")
     if a.child:
-        print(json.dumps(child(a.preset, a.dtype, a.calls, a.child != "eager", a.overrides)))
+        print(json.dumps(child(a.preset, a.dtype, a.calls, a.child, a.overrides)))
         return 0
     machine = machine_record()
-    with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
-        modes = {mode: run_mode(mode, a, cache) for mode in MODES}
+    modes = {}
+    with tempfile.TemporaryDirectory(prefix="inductor-") as whole, \
+            tempfile.TemporaryDirectory(prefix="inductor-") as per:
+        for mode in MODES if a.dtype == "bfloat16" else MODES[:3]:
+            modes[mode] = run_mode(mode, a, per if mode.startswith("layer") else whole)
     result = {"machine": with_load_after(machine), "dtype": a.dtype, "modes": summarize(modes),
               "command": "python bench/compiled_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     write(Path(a.out), result)
