@@ -91,13 +91,15 @@ def _layer_step(h, cos, sin, kc, vc, slot0: int, mask, ln1, ln2, eps: float, wqk
     return h + lin(F.silu(gu[..., :inter]) * gu[..., inter:], wd, ad, bd)
 
 
-def _compile_decode(dec, per_layer: bool) -> None:
+def route_decode(dec, per_layer: bool, compile: bool = True) -> None:
     """Route the engine's decode forwards (one new token per row, no feature layer) through torch.compile: the whole
-    forward, or `_layer_step` compiled once and called per layer. Prefills stay eager."""
+    forward, or `_layer_step` compiled once and called per layer. Prefills stay eager. `compile=False` runs the same
+    routing uncompiled (the tests check `_layer_step` against the engine that way)."""
     import torch
 
     eager_forward = dec._forward
-    step = torch.compile(_layer_step if per_layer else eager_forward, dynamic=True)
+    fn = _layer_step if per_layer else eager_forward
+    step = torch.compile(fn, dynamic=True) if compile else fn
 
     def layers_forward(ids, pos, cache, slot0, mask):
         h = dec.body.embed_tokens(ids).to(dec.dtype)
@@ -146,7 +148,7 @@ def child(preset: str, dtype_name: str, calls: int, mode: str, overrides: list[s
     if mode != "eager":
         if mode.startswith("layer") and dec.merged:
             raise SystemExit(f"{mode}: the per-layer step is written for a bf16/fp16 base (the adapter beside it)")
-        _compile_decode(dec, per_layer=mode.startswith("layer"))
+        route_decode(dec, per_layer=mode.startswith("layer"))
     params = params_from_config(cfg.generation, n=cfg.estimator.rollouts_per_prompt)
     runs = []
     for i in range(calls):
