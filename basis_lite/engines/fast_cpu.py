@@ -264,15 +264,26 @@ class FastDecoder:
         return self.head(h).float()
 
     # ------------------------------------------------------------------------------------------------ generate
-    @torch.no_grad()
     def generate(self, rows: list[list[int]], max_new_tokens: int, stop_ids, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, generators: list[torch.Generator] | None = None,
                  feature_layer: int | None = None, feature_tokens: int = 4):
         """rows: prompt token ids per sequence (already expanded to n per prompt). Returns (completions with the
         stop token kept, log-probs per completion token, [rows, D] float32 prompt features or None, per row whether
         its logits and features were finite). A row of non-finite logits (a diverged adapter) is sampled from zeros
-        instead, so that decoding finishes; the caller skips what it produced."""
-        self.refresh()
+        instead, so that decoding finishes; the caller skips what it produced.
+
+        The weight copies are built under no_grad (ordinary tensors, rebuilt in place by later calls), the sampling
+        runs under torch.inference_mode (less bookkeeping per op than no_grad: no version counters or view tracking,
+        the same values), and the features are handed out as an ordinary tensor."""
+        with torch.no_grad():
+            self.refresh()
+        with torch.inference_mode():
+            toks, lps, feats, finite = self._sample(rows, max_new_tokens, stop_ids, temperature, top_p, top_k,
+                                                    generators, feature_layer, feature_tokens)
+        return toks, lps, None if feats is None else feats.clone(), finite
+
+    def _sample(self, rows, max_new_tokens, stop_ids, temperature, top_p, top_k, generators, feature_layer,
+                feature_tokens):
         B = len(rows)
         greedy = temperature <= 0
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long)

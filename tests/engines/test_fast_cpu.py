@@ -9,6 +9,7 @@ from conftest import bench_module, trainer_logprobs
 
 from basis_lite.config import load_config
 from basis_lite.engines.base import SamplingParams
+from basis_lite.engines.fast_cpu import FastDecoder
 from basis_lite.engines.hf import HFEngine
 from basis_lite.engines.seeded import stream_seed
 from basis_lite.errors import ConfigError
@@ -209,6 +210,22 @@ def test_disabled_adapter_samples_the_base(policy):
         _assert_same_tokens(model, base, plain.generate(PROMPTS, params))
     assert [r.logprobs for r in base] != [r.logprobs for r in with_adapter]
     assert [r.logprobs for r in fast.generate(PROMPTS, params)] == [r.logprobs for r in with_adapter]
+
+
+def test_sampling_under_inference_mode_gives_no_grad_s_values_and_ordinary_features(policy):
+    """generate() samples under torch.inference_mode: the same tokens, log-probs and features as the same loop under
+    no_grad, and the features it hands out are ordinary tensors (a caller may change them in place)."""
+    _, model, tok = policy
+    dec = FastDecoder(model)
+    rows = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    kw = dict(stop_ids={tok.eos_token_id}, temperature=0.0, feature_layer=1)
+    toks, lps, feats, finite = dec.generate(rows, 8, **kw)
+    with torch.no_grad():
+        want = dec._sample(rows, 8, kw["stop_ids"], 0.0, 1.0, 0, None, 1, 4)
+    assert (toks, lps, finite) == (want[0], want[1], want[3])
+    assert torch.equal(feats, want[2])
+    assert not torch.is_inference(feats)
+    feats.add_(1)  # an inference tensor would raise here
 
 
 def test_fallbacks_trajectory_and_unsupported_models(policy, monkeypatch):
