@@ -28,7 +28,8 @@ The job estimate is for `train.steps` rollouts of this size: saved = steps x eag
 steady - the mode's steady), paid = the mode's call 0 - its steady time for call 0's tokens; the evals' decoding is not
 counted.
 
-Writes compiled_decode.json and .md (default bench/results/compiled_decode/) with the machine record and lscpu.txt.
+Writes compiled_decode.json and .md (default bench/results/compiled_decode/) with the machine record (CPU flags,
+commit, load before and after).
 """
 from __future__ import annotations
 
@@ -227,7 +228,6 @@ def write(out_dir: Path, result: dict) -> None:
                                 [[n, f"{d['job_saved_s']:.1f}", f"{d['job_paid_s']:.1f}", f"{d['job_net_s']:+.1f}"]
                                  for n, d in modes.items() if n != "eager"]))
     (out_dir / "compiled_decode.md").write_text("\n".join(lines) + "\n")
-    (out_dir / "lscpu.txt").write_text(subprocess.run(["lscpu"], stdout=subprocess.PIPE, text=True).stdout)
     print("\n".join(lines))
 
 
