@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.lib.paths import results_dir  # noqa: E402
-from bench.lib.provenance import flags_line, machine_record, with_load_after  # noqa: E402
+from bench.lib.provenance import header_lines, machine_record, with_load_after  # noqa: E402
 from bench.lib.report import markdown_table, write_json  # noqa: E402
 
 MODES = ("eager", "compiled_cold", "compiled_warm", "layer_cold", "layer_warm")
@@ -208,11 +208,7 @@ def write(out_dir: Path, result: dict) -> None:
     modes = result["modes"]
     e = modes["eager"]
     lines = ["# A compiled decode step against the eager one (bench/compiled_decode.py)", "",
-             f"- CPU: {flags_line(m)}",
-             f"- torch {m.get('torch')}, {e['threads']} threads, {result['dtype']}; git {m['git_commit'][:12]}"
-             f"{' plus uncommitted changes' if m['git_dirty'] else ''}",
-             f"- command: `{result['command']}`; load average before / after: {m['loadavg_before']} / "
-             f"{m['loadavg_after']}",
+             *header_lines(m, result["command"], e["threads"], f", {result['dtype']}"),
              f"- batch: {e['rows']} rows, {e['max_new_tokens']} new tokens, T={e['temperature']}; "
              f"{len(e['runs'])} calls per mode; method in the script's docstring.", ""]
     rows = []

@@ -42,7 +42,7 @@ if str(REPO) not in sys.path:
 from bench.lib.flops import matmul_flops  # noqa: E402
 from bench.lib.matmul_peak import measure_bandwidth, measure_peak  # noqa: E402
 from bench.lib.paths import results_dir  # noqa: E402
-from bench.lib.provenance import flags_line, machine_record, with_load_after  # noqa: E402
+from bench.lib.provenance import header_lines, machine_record, with_load_after  # noqa: E402
 from bench.lib.report import markdown_table, write_json  # noqa: E402
 
 KERNELS = ("onednn", "F.linear", "x@wT")
@@ -125,11 +125,7 @@ def write(out_dir: Path, result: dict) -> str:
     m = result["machine"]
     ref = result["reference"]
     lines = ["# The decoder's products at decode's few rows, per CPU kernel (bench/decode_gemm.py)", "",
-             f"- CPU: {flags_line(m)}",
-             f"- torch {m.get('torch')}, {result['threads']} threads; git {m['git_commit'][:12]}"
-             f"{' plus uncommitted changes' if m['git_dirty'] else ''}",
-             f"- command: `{result['command']}`; load average before / after: {m['loadavg_before']} / "
-             f"{m['loadavg_after']}",
+             *header_lines(m, result["command"], result["threads"]),
              f"- model shapes: {result['model']} ({result['layers']} layers); float32 weights, one per layer, cycled",
              f"- references in this run: matmul peak {ref['peak_gflops']:.1f} GFLOP/s (float32, best layout), read "
              f"bandwidth {ref['read_gbs']:.1f} GB/s",

@@ -41,7 +41,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.lib.paths import results_dir  # noqa: E402
-from bench.lib.provenance import flags_line, machine_record, with_load_after  # noqa: E402
+from bench.lib.provenance import header_lines, machine_record, with_load_after  # noqa: E402
 from bench.lib.report import markdown_table, write_json  # noqa: E402
 from bench.lib.steps import make_run_state  # noqa: E402
 
@@ -197,11 +197,7 @@ def write(out_dir: Path, result: dict) -> None:
     write_json(out_dir / "generation.json", result)
     m = result["machine"]
     lines = ["# Rollout speed on the CPU: the engines side by side (bench/generation.py)", "",
-             f"- CPU: {flags_line(m)}",
-             f"- torch {m.get('torch')}, {result['dtypes'][0]['threads'] if result['dtypes'] else '?'} threads; "
-             f"git {m['git_commit'][:12]}{' plus uncommitted changes' if m['git_dirty'] else ''}",
-             f"- command: `{result['command']}`; load average before / after: {m['loadavg_before']} / "
-             f"{m['loadavg_after']}",
+             *header_lines(m, result["command"], result["dtypes"][0]["threads"] if result["dtypes"] else "?"),
              "- Method: the docstring of bench/generation.py. Best of the repeats; the cores may have been shared.", ""]
     rows = []
     for d in result["dtypes"]:

@@ -169,3 +169,13 @@ def flags_line(info: dict) -> str:
     model = info.get("cpu_model") or info.get("cpu") or "?"
     cores = info.get("cores") or info.get("cpu_count") or "?"
     return f"{model}, {cores} cores; flags: {' '.join(have) or '-'}" + (f"; without {' '.join(lack)}" if lack else "")
+
+
+def header_lines(record: dict, command: str, threads, setting: str = "") -> list[str]:
+    """The machine lines a bench's markdown opens with: CPU and flags; torch, threads (and `setting`, e.g. the
+    dtype) and the commit; the command and the load average before and after."""
+    dirty = " plus uncommitted changes" if record.get("git_dirty") else ""
+    return [f"- CPU: {flags_line(record)}",
+            f"- torch {record.get('torch')}, {threads} threads{setting}; git {record['git_commit'][:12]}{dirty}",
+            f"- command: `{command}`; load average before / after: {record.get('loadavg_before')} / "
+            f"{record.get('loadavg_after')}"]

@@ -306,6 +306,16 @@ def test_flags_line_reads_the_record_and_older_ones():
     assert provenance.flags_line({}) == "?, ? cores; flags: -"
 
 
+def test_header_lines_name_the_machine_commit_state_and_command():
+    m = {"cpu_model": "X", "cores": 2, "cpu_flags": {"avx2": True}, "torch": "2.13.0+cpu",
+         "git_commit": "0123456789abcdef", "git_dirty": False, "loadavg_before": [1.0], "loadavg_after": [2.0]}
+    assert provenance.header_lines(m, "python bench/x.py --a", 2, ", bfloat16") == [
+        "- CPU: X, 2 cores; flags: avx2", "- torch 2.13.0+cpu, 2 threads, bfloat16; git 0123456789ab",
+        "- command: `python bench/x.py --a`; load average before / after: [1.0] / [2.0]"]
+    assert provenance.header_lines({**m, "git_dirty": True}, "c", 1)[1].endswith("git 0123456789ab plus uncommitted "
+                                                                                   "changes")
+
+
 def test_measurement_env_keeps_the_variables_that_change_a_timing_and_no_paths():
     env = {"ATEN_CPU_CAPABILITY": "avx2", "MALLOC_ARENA_MAX": "1", "HOME": "/root", "PATH": "/usr/bin",
            "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2:/opt/x/libfoo.so"}
