@@ -4,11 +4,12 @@
     python bench/compiled_decode.py                        # bf16 (what `auto` picks on avx512_bf16 / AMX), 4 calls
     python bench/compiled_decode.py --dtype float32 --calls 3 --out /tmp/cd
 
-Over half of a bf16 decode step on 2 cores is per-op overhead (tens of thousands of small ops per rollout), not
-matrix products, so compiling the step (inductor fuses the elementwise work into a few C++ loops) is the lever
-left for generation's time. This bench measures both sides of that trade on the default job's first rollout
-(the preset's first prompt batch, chat template and system prompt, generation.max_new_tokens, temperature, prompt
-features on, fresh adapter), each mode in its own process, one after the other:
+Much of a bf16 decode step on 2 cores is small ops between the matrix products (tens of thousands per rollout:
+casts around the adapter, norms, rotary, attention's small products), so compiling the step (inductor fuses the
+elementwise work into a few C++ loops) is the lever left for generation's time. This bench measures both sides of
+that trade on the default job's first rollout (the preset's first prompt batch, chat template and system prompt,
+generation.max_new_tokens, temperature, prompt features on, fresh adapter), each mode in its own process, one after
+the other:
 
 - `eager`: the engine as shipped (engines/fast_cpu.py).
 - `compiled_cold`: the engine's decode forward (one new token per row, no feature layer) through
@@ -55,12 +56,14 @@ MODES = ("eager", "compiled_cold", "compiled_warm", "layer_cold", "layer_warm")
 
 
 def _layer_step(h, cos, sin, kc, vc, slot0: int, mask, ln1, ln2, eps: float, wqkv, aqkv, bqkv, wo, ao, bo, wgu, agu,
-                bgu, wd, ad, bd, n_heads: int, n_kv: int, hd: int, scaling: float):
+                bgu, wd, ad, bd, n_heads: int, n_kv: int, hd: int, attend):
     """One Llama layer's step as FastDecoder._forward computes it over a bf16 base (RMSNorm, fused q|k|v and
-    gate|up with the adapter added in float32, rotary, the cache write, eager attention, SiLU), all weights passed
-    in."""
+    gate|up with the adapter added in float32, the engine's rotary, the cache write, the engine's attention
+    `attend`, SiLU), all weights passed in."""
     import torch
     import torch.nn.functional as F
+
+    from basis_lite.engines.fast_cpu import _rope
 
     def rms(x, w):
         xf = x.float()
@@ -70,22 +73,16 @@ def _layer_step(h, cos, sin, kc, vc, slot0: int, mask, ln1, ln2, eps: float, wqk
         y = F.linear(x, w)
         return (y.float() + F.linear(F.linear(x.float(), A), B)).to(y.dtype)
 
-    def rot(x):
-        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
-
     b, t, _ = h.shape
-    nq, nk, rep = n_heads * hd, n_kv * hd, n_heads // n_kv
+    nq, nk = n_heads * hd, n_kv * hd
     qkv = lin(rms(h, ln1), wqkv, aqkv, bqkv)
     q = qkv[..., :nq].view(b, t, n_heads, hd).transpose(1, 2)
     k = qkv[..., nq:nq + nk].view(b, t, n_kv, hd).transpose(1, 2)
     v = qkv[..., nq + nk:].view(b, t, n_kv, hd).transpose(1, 2)
-    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    q, k = _rope(q, k, cos, sin)
     kc[:b, :, slot0:slot0 + t] = k
     vc[:b, :, slot0:slot0 + t] = v
-    s = torch.matmul(q.reshape(b, n_kv, rep * t, hd), kc[:b, :, :slot0 + t].transpose(-1, -2)) * scaling
-    m = mask if rep == 1 else mask.unsqueeze(2).expand(b, 1, rep, t, mask.shape[-1]).reshape(b, 1, rep * t, -1)
-    p = F.softmax(s.masked_fill(~m, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
-    a = torch.matmul(p, vc[:b, :, :slot0 + t]).view(b, n_heads, t, hd)
+    a = attend(q, kc[:b, :, :slot0 + t], vc[:b, :, :slot0 + t], mask)
     h = h + lin(a.transpose(1, 2).reshape(b, t, nq), wo, ao, bo)
     gu = lin(rms(h, ln2), wgu, agu, bgu)
     inter = gu.shape[-1] // 2
@@ -111,7 +108,7 @@ def route_decode(dec, per_layer: bool, compile: bool = True) -> None:
                 raise SystemExit("the per-layer step needs the adapter on every linear")
             lay, weights = e["layer"], [t for g in e["groups"] for t in (g.w, *g.lora)]
             h = step(h, cos, sin, kc, vc, slot0, mask, lay.input_layernorm.weight, lay.post_attention_layernorm.weight,
-                     lay.input_layernorm.variance_epsilon, *weights, dec.n_heads, dec.n_kv, dec.head_dim, dec.scaling)
+                     lay.input_layernorm.variance_epsilon, *weights, dec.n_heads, dec.n_kv, dec.head_dim, dec._attend)
         return dec.body.norm(h), None
 
     def forward(ids, pos, cache, slot0, mask, feature_layer=None):
