@@ -63,7 +63,7 @@ def _layer_step(h, cos, sin, kc, vc, slot0: int, mask, ln1, ln2, eps: float, wqk
     import torch
     import torch.nn.functional as F
 
-    from basis_lite.engines.fast_cpu import _rope
+    from basis_lite.engines.fast_cpu import rope
 
     def rms(x, w):
         xf = x.float()
@@ -79,7 +79,7 @@ def _layer_step(h, cos, sin, kc, vc, slot0: int, mask, ln1, ln2, eps: float, wqk
     q = qkv[..., :nq].view(b, t, n_heads, hd).transpose(1, 2)
     k = qkv[..., nq:nq + nk].view(b, t, n_kv, hd).transpose(1, 2)
     v = qkv[..., nq + nk:].view(b, t, n_kv, hd).transpose(1, 2)
-    q, k = _rope(q, k, cos, sin)
+    q, k = rope(q, k, cos, sin)
     kc[:b, :, slot0:slot0 + t] = k
     vc[:b, :, slot0:slot0 + t] = v
     a = attend(q, kc[:b, :, :slot0 + t], vc[:b, :, :slot0 + t], mask)

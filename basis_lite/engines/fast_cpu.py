@@ -229,7 +229,7 @@ class FastDecoder:
             q = qkv[..., :nq].view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
             k = qkv[..., nq:nq + nk].view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
             v = qkv[..., nq + nk:].view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-            q, k = _rope(q, k, cos, sin)
+            q, k = rope(q, k, cos, sin)
             kc, vc = cache[li]
             kc[:b, :, slot0:end] = k
             vc[:b, :, slot0:end] = v
@@ -418,7 +418,9 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def _rope(q, k, cos, sin):
+def rope(q, k, cos, sin):
+    """Rotary embeddings applied to q and k [b, heads, t, d] with cos/sin [b, 1, t, d] (the rotate-half form of
+    transformers' Llama)."""
     def rot(x):
         x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
         return torch.cat((-x2, x1), dim=-1)
